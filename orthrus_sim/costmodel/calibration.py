@@ -1,0 +1,224 @@
+"""Calibration files (versioned JSON, validated with pydantic) and the fits that make them.
+
+Two kinds of profiling rows feed ``fit``:
+
+* operator rows ``(op, flops, bytes, seconds)``: one operator timed alone (the A100 data);
+  each operator's ``OpCoeffs`` is fitted on its own rows;
+* iteration rows ``(BatchShape, seconds)``: a whole forward pass of a known batch composition
+  (what ``orthrus-real calibrate`` measures); group efficiencies and the CPU-side overheads are
+  fitted so that the summed operator times match.
+
+Both minimise relative error (scipy ``least_squares`` over log-parameters) and report MAPE.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from scipy.optimize import least_squares
+
+from orthrus_sim.costmodel.coefficients import Coefficients, OpCoeffs, default_ops
+from orthrus_sim.costmodel.cost import CostModel
+from orthrus_sim.costmodel.hardware import Hardware
+from orthrus_sim.costmodel.operators import ATTENTION_OPS, ELEMENTWISE_OPS, LINEAR_OPS, OPERATORS
+from orthrus_sim.costmodel.shape import BatchShape
+
+SCHEMA = "orthrus.calibration/1"
+
+
+class OpCoeffsModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    compute_eff: float = Field(gt=0)
+    memory_eff: float = Field(gt=0)
+    sharpness: float = Field(default=4.0, ge=1.0)
+    overhead_s: float = Field(default=0.0, ge=0)
+
+
+class CoefficientsModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ops: dict[str, OpCoeffsModel]
+    iteration_overhead_s: float = Field(ge=0)
+    per_seq_overhead_s: float = Field(ge=0)
+
+
+class SourceModel(BaseModel):
+    description: str
+    files: list[str] = []
+    license: str | None = None
+    measured: list[str] = Field(default_factory=list, description="operators fitted to data")
+    assumed: list[str] = Field(default_factory=list, description="operators left at roofline")
+
+
+class FitErrorModel(BaseModel):
+    operator_mape: dict[str, float] = {}
+    iteration_mape: float | None = None
+    points: int = 0
+    detail: dict[str, float] = {}
+
+
+class CalibrationFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    schema_: Literal["orthrus.calibration/1"] = Field(alias="schema")
+    hardware: str
+    model: str
+    coefficients: CoefficientsModel
+    source: SourceModel
+    fit_error: FitErrorModel
+    created: str = ""
+
+    def to_coefficients(self) -> Coefficients:
+        ops = default_ops()
+        for name, c in self.coefficients.ops.items():
+            if name not in OPERATORS:
+                raise ValueError(f"calibration: coefficients.ops has unknown operator {name!r}; "
+                                 f"known: {', '.join(OPERATORS)}")
+            ops[name] = OpCoeffs(**c.model_dump())
+        return Coefficients(ops=ops,
+                            iteration_overhead_s=self.coefficients.iteration_overhead_s,
+                            per_seq_overhead_s=self.coefficients.per_seq_overhead_s)
+
+
+def coefficients_model(coeffs: Coefficients) -> CoefficientsModel:
+    return CoefficientsModel(
+        ops={k: OpCoeffsModel(**vars(v)) for k, v in coeffs.ops.items()},
+        iteration_overhead_s=coeffs.iteration_overhead_s,
+        per_seq_overhead_s=coeffs.per_seq_overhead_s,
+    )
+
+
+def _format_errors(path: str, exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        parts.append(f"{loc}: {err['msg']}")
+    return f"calibration file {path}: " + "; ".join(parts)
+
+
+def load_calibration(path: str | Path) -> CalibrationFile:
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"calibration file {path} does not exist")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"calibration file {path} is not valid JSON ({exc})") from None
+    try:
+        cal = CalibrationFile.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(_format_errors(str(path), exc)) from None
+    cal.to_coefficients()  # unknown operator names fail here, with the file named
+    return cal
+
+
+def save_calibration(cal: CalibrationFile, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(cal.model_dump(by_alias=True), indent=2) + "\n")
+
+
+def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    p, m = np.asarray(predicted, float), np.asarray(measured, float)
+    return float(np.mean(np.abs(p / m - 1.0)))
+
+
+# ----- operator fit ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OperatorSample:
+    op: str
+    flops: float
+    bytes: float
+    seconds: float
+
+
+def fit_operator(samples: Sequence[OperatorSample], hardware: Hardware,
+                 start: OpCoeffs | None = None) -> tuple[OpCoeffs, float]:
+    """Fit one operator's efficiencies, ridge sharpness and fixed overhead; returns MAPE too."""
+    if not samples:
+        raise ValueError("fit: no samples")
+    start = start or OpCoeffs()
+    flops = np.array([s.flops for s in samples])
+    bytes_ = np.array([s.bytes for s in samples])
+    y = np.array([s.seconds for s in samples])
+    if np.any(y <= 0):
+        raise ValueError("fit: measured seconds must be positive")
+    has_compute = bool(np.any(flops > 0))
+    floor = float(y.min())
+
+    def unpack(x):
+        return OpCoeffs(compute_eff=math.exp(x[0]), memory_eff=math.exp(x[1]),
+                        sharpness=1.0 + math.exp(x[2]), overhead_s=floor * 0.5 * (1 + math.tanh(x[3])))
+
+    def predict(c: OpCoeffs) -> np.ndarray:
+        return np.array([c.time(f, b, hardware.peak_flops, hardware.mem_bw)
+                         for f, b in zip(flops, bytes_)])
+
+    x0 = [math.log(start.compute_eff), math.log(start.memory_eff),
+          math.log(max(start.sharpness - 1.0, 0.1)), -2.0]
+    res = least_squares(lambda x: predict(unpack(x)) / y - 1.0, x0,
+                        bounds=([-8, -8, -3, -6], [2 if has_compute else 0.1, 3, 3, 6]),
+                        loss="soft_l1", f_scale=0.02)
+    fitted = unpack(res.x)
+    if not has_compute:
+        fitted = replace(fitted, compute_eff=start.compute_eff)
+    return fitted, mape(predict(fitted), y)
+
+
+# ----- whole-iteration fit -----------------------------------------------------------------
+GROUPS = {
+    "linear": LINEAR_OPS,
+    "attention": ATTENTION_OPS,
+    "elementwise": ELEMENTWISE_OPS,
+    "lora": ("lora",),
+}
+
+
+def _scaled(base: Coefficients, x: np.ndarray) -> Coefficients:
+    ops = dict(base.ops)
+    for i, names in enumerate(GROUPS.values()):
+        ce, me = math.exp(x[2 * i]), math.exp(x[2 * i + 1])
+        for n in names:
+            c = ops[n]
+            ops[n] = replace(c, compute_eff=c.compute_eff * ce, memory_eff=c.memory_eff * me)
+    k = 2 * len(GROUPS)
+    return Coefficients(ops=ops, iteration_overhead_s=math.exp(x[k]),
+                        per_seq_overhead_s=math.exp(x[k + 1]))
+
+
+def fit_iterations(cost: CostModel, samples: Sequence[tuple[BatchShape, float]],
+                   holdout_every: int = 5) -> tuple[Coefficients, dict[str, float]]:
+    """Fit group efficiencies and overheads to whole-iteration timings.
+
+    Every ``holdout_every``-th sample is held out; the returned errors are MAPE on the fitted
+    and on the held-out rows.
+    """
+    if len(samples) < 4:
+        raise ValueError("fit: need at least 4 iteration samples")
+    train = [s for i, s in enumerate(samples) if holdout_every <= 1 or i % holdout_every]
+    held = [s for i, s in enumerate(samples) if holdout_every > 1 and not i % holdout_every]
+    base = cost.coefficients
+
+    def predict(coeffs: Coefficients, rows) -> np.ndarray:
+        model = CostModel(cost.hardware, cost.model, coeffs, cost.lora)
+        return np.array([model.shape_time(shape) for shape, _ in rows])
+
+    y = np.array([t for _, t in train])
+    x0 = np.zeros(2 * len(GROUPS) + 2)
+    x0[-2] = math.log(max(base.iteration_overhead_s, 1e-6))
+    x0[-1] = math.log(max(base.per_seq_overhead_s, 1e-8))
+    lo = np.full_like(x0, -6.0)
+    hi = np.full_like(x0, 3.0)
+    lo[-2:], hi[-2:] = math.log(1e-7), math.log(1.0)
+    res = least_squares(lambda x: predict(_scaled(base, x), train) / y - 1.0, x0,
+                        bounds=(lo, hi))
+    fitted = _scaled(base, res.x)
+    errors = {"train_mape": mape(predict(fitted, train), y), "train_points": float(len(train))}
+    if held:
+        errors["holdout_mape"] = mape(predict(fitted, held), [t for _, t in held])
+        errors["holdout_points"] = float(len(held))
+    return fitted, errors

@@ -1,0 +1,66 @@
+"""Iteration time of a batch unit on one device: the simulator's one question."""
+
+from __future__ import annotations
+
+from orthrus_sim.costmodel.coefficients import Coefficients
+from orthrus_sim.costmodel.hardware import Hardware
+from orthrus_sim.costmodel.model import LoRASpec, ModelSpec
+from orthrus_sim.costmodel.operators import PER_LAYER, operator_work, token_work, variable_work
+from orthrus_sim.costmodel.shape import BatchShape
+from orthrus_sim.engine.batch import BatchUnit
+
+
+class CostModel:
+    """Roofline cost of one iteration, operator by operator.
+
+    ``iteration_time(batch)`` is what the simulator calls; ``breakdown(shape)`` gives each
+    operator's seconds (whole model, all layers) for reports and tests. Operators whose work
+    depends only on the number of tokens are cached by token count, which keeps the simulator's
+    hot path short.
+    """
+
+    def __init__(self, hardware: Hardware, model: ModelSpec, coefficients: Coefficients | None = None,
+                 lora: LoRASpec | None = None) -> None:
+        self.hardware = hardware
+        self.model = model
+        self.coefficients = coefficients or Coefficients()
+        self.lora = lora
+        self._token_cache: dict[int, float] = {}
+
+    def _op_time(self, name: str, flops: float, bytes_: float) -> float:
+        if flops == 0.0 and bytes_ == 0.0:
+            return 0.0
+        return self.coefficients.ops[name].time(flops, bytes_, self.hardware.peak_flops,
+                                                self.hardware.mem_bw)
+
+    def _whole_model(self, work: dict[str, tuple[float, float]]) -> dict[str, float]:
+        layers = self.model.num_layers
+        out = {}
+        for name, (flops, bytes_) in work.items():
+            reps = PER_LAYER.get(name, 0)
+            t = self._op_time(name, flops, bytes_)
+            out[name] = t * reps * layers if reps else t
+        return out
+
+    def breakdown(self, shape: BatchShape) -> dict[str, float]:
+        """Seconds per operator over the whole model, plus the two overheads."""
+        out = self._whole_model(operator_work(self.model, shape, self.lora))
+        c = self.coefficients
+        out["iteration_overhead"] = c.iteration_overhead_s if shape.num_seqs else 0.0
+        out["seq_overhead"] = c.per_seq_overhead_s * shape.num_seqs
+        return out
+
+    def shape_time(self, shape: BatchShape) -> float:
+        if shape.num_seqs == 0:
+            return 0.0
+        fixed = self._token_cache.get(shape.tokens)
+        if fixed is None:
+            fixed = sum(self._whole_model(token_work(self.model, shape.tokens)).values())
+            self._token_cache[shape.tokens] = fixed
+        rest = sum(self._whole_model(variable_work(self.model, shape, self.lora)).values())
+        c = self.coefficients
+        return fixed + rest + c.iteration_overhead_s + c.per_seq_overhead_s * shape.num_seqs
+
+    def iteration_time(self, batch: BatchUnit) -> float:
+        """Seconds one forward pass (and its emit stage) over ``batch`` takes."""
+        return self.shape_time(BatchShape.from_batch(batch, adapter=self.lora is not None))

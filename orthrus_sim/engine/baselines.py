@@ -1,0 +1,87 @@
+"""The paper's baseline policies and the single-type policies of dedicated/disaggregated replicas."""
+
+from __future__ import annotations
+
+from orthrus_sim.engine.batch import BatchUnit
+from orthrus_sim.engine.policy import Policy
+from orthrus_sim.engine.request import Request, RequestKind
+
+_BOTH = (RequestKind.EMBEDDING, RequestKind.GENERATION)
+
+
+class UnifiedHeteroPolicy(Policy):
+    """Mixed batches, one global FCFS order by arrival, no credits: decodes first, then new work
+    strictly by arrival, stopping at the first request that cannot go (head-of-line blocking)."""
+
+    name = "unified-hetero"
+
+    def _fill(self, batch: BatchUnit, now: float) -> None:
+        self._schedule_running(batch)
+        self._fill_fcfs(batch, now, _BOTH)
+
+
+class UnifiedHomoPolicy(Policy):
+    """Every iteration is all-embedding or all-generation.
+
+    The side whose oldest ready request has waited longest goes first (a running decode is
+    ready from the end of its last iteration), so the two sides alternate by FCFS; if the chosen
+    side cannot schedule anything (memory full), the other side runs instead.
+    """
+
+    name = "unified-homo"
+
+    def _fill(self, batch: BatchUnit, now: float) -> None:
+        e_since = min((r.ready_since for r in self.embed_queue), default=None)
+        g_candidates = [r.ready_since for r in self.running]
+        if self.gen_queue:
+            g_candidates.append(self.gen_queue[0].ready_since)
+        g_since = min(g_candidates, default=None)
+        if e_since is None and g_since is None:
+            return
+        embed_first = g_since is None or (e_since is not None and e_since <= g_since)
+        for embed_side in ((True, False) if embed_first else (False, True)):
+            if embed_side:
+                self._fill_fcfs(batch, now, (RequestKind.EMBEDDING,))
+            else:
+                self._schedule_running(batch)
+                self._fill_fcfs(batch, now, (RequestKind.GENERATION,))
+            if batch:
+                return
+
+
+class EmbeddingOnlyPolicy(Policy):
+    """A dedicated embedding server: FCFS over embedding requests (atomic if chunk_size is null)."""
+
+    name = "embedding-only"
+    serves = (RequestKind.EMBEDDING,)
+
+    def _fill(self, batch: BatchUnit, now: float) -> None:
+        self._fill_fcfs(batch, now, (RequestKind.EMBEDDING,))
+
+
+class GenerationPolicy(Policy):
+    """A dedicated generation server as vLLM runs it: decodes first, then chunked prefills FCFS."""
+
+    name = "generation"
+    serves = (RequestKind.GENERATION,)
+
+    def _fill(self, batch: BatchUnit, now: float) -> None:
+        self._schedule_running(batch)
+        self._fill_fcfs(batch, now, (RequestKind.GENERATION,))
+
+
+class PrefillOnlyPolicy(UnifiedHeteroPolicy):
+    """Disaggregated prefill replica: prefills and whole embeddings, FCFS; a generation request
+    leaves (state WAITING, KV to transfer) as soon as its first token is sampled."""
+
+    name = "prefill-only"
+
+    def _hands_off(self, request: Request) -> bool:
+        return True
+
+
+class DecodeOnlyPolicy(GenerationPolicy):
+    """Disaggregated decode replica: takes requests whose prompt KV arrived from a prefill
+    replica (``num_computed`` already set), reserves their blocks and decodes them."""
+
+    name = "decode-only"

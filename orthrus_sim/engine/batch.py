@@ -1,0 +1,127 @@
+"""The batch unit: everything one forward pass computes, sorted by item type.
+
+Sorting by type (embedding chunks, then prefill chunks, then decodes) makes every output kernel
+(pooler, LoRA delta, sampler) work on one contiguous slice of the hidden-state rows.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from orthrus_sim.engine.request import Request
+
+
+class ItemKind(enum.IntEnum):
+    EMBED_CHUNK = 0
+    PREFILL_CHUNK = 1
+    DECODE = 2
+
+
+@dataclass(slots=True)
+class BatchItem:
+    """``num_tokens`` tokens of ``request`` starting at sequence position ``start``.
+
+    ``context_len`` is how many of the request's tokens are already in the KV cache; the item
+    attends to those plus itself, causally.
+    """
+
+    request: Request
+    kind: ItemKind
+    start: int
+    num_tokens: int
+
+    @property
+    def context_len(self) -> int:
+        return self.start
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True where the forward pass must produce a next token for this item."""
+        return self.kind is not ItemKind.EMBED_CHUNK and self.end == self.request.seq_len
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.kind is ItemKind.EMBED_CHUNK and self.end == self.request.input_len
+
+
+@dataclass
+class BatchUnit:
+    token_budget: int
+    items: list[BatchItem] = field(default_factory=list)
+    total_tokens: int = 0
+    _sorted: bool = field(default=True, repr=False)
+
+    def add(self, request: Request, kind: ItemKind, num_tokens: int) -> BatchItem:
+        item = BatchItem(request, kind, request.num_computed, num_tokens)
+        if self.items and self.items[-1].kind > kind:
+            self._sorted = False
+        self.items.append(item)
+        self.total_tokens += num_tokens
+        return item
+
+    def finalize(self) -> BatchUnit:
+        """Sort items by type (stable, so FCFS order holds inside each type)."""
+        if not self._sorted:
+            self.items.sort(key=lambda it: it.kind)
+            self._sorted = True
+        return self
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.items)
+
+    @property
+    def budget_left(self) -> int:
+        return self.token_budget - self.total_tokens
+
+    def item_slice(self, kind: ItemKind) -> slice:
+        """The contiguous range of ``items`` holding items of ``kind``."""
+        lo = hi = 0
+        for i, it in enumerate(self.items):
+            if it.kind < kind:
+                lo = i + 1
+            if it.kind <= kind:
+                hi = i + 1
+        return slice(lo, max(lo, hi))
+
+    def token_slice(self, kind: ItemKind) -> slice:
+        """The contiguous range of hidden-state rows belonging to items of ``kind``."""
+        lo = hi = 0
+        for it in self.items:
+            if it.kind < kind:
+                lo += it.num_tokens
+            if it.kind <= kind:
+                hi += it.num_tokens
+        return slice(lo, max(lo, hi))
+
+    def of_kind(self, kind: ItemKind) -> list[BatchItem]:
+        return self.items[self.item_slice(kind)]
+
+    def tokens_of(self, kind: ItemKind) -> int:
+        return sum(it.num_tokens for it in self.items if it.kind is kind)
+
+    def composition(self) -> dict[str, int]:
+        """Counts for statistics: items and tokens per type."""
+        out = {"embed_chunks": 0, "embed_tokens": 0, "prefill_chunks": 0, "prefill_tokens": 0,
+               "decodes": 0}
+        for it in self.items:
+            if it.kind is ItemKind.EMBED_CHUNK:
+                out["embed_chunks"] += 1
+                out["embed_tokens"] += it.num_tokens
+            elif it.kind is ItemKind.PREFILL_CHUNK:
+                out["prefill_chunks"] += 1
+                out["prefill_tokens"] += it.num_tokens
+            else:
+                out["decodes"] += 1
+        return out

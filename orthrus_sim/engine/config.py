@@ -1,0 +1,58 @@
+"""Scheduler knobs shared by every policy, checked up front so a bad value names itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WAITING_WORK_MODES = ("prompt", "prompt+output")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Knobs of one replica's scheduler.
+
+    token_budget: tokens per iteration (``B`` in the brief).
+    chunk_size: most tokens of one embedding request per iteration (``C``); ``None`` means
+        embeddings are atomic (one pass each), as a stock embedding server runs them.
+    max_num_seqs: most requests holding KV blocks at once (and items per batch).
+    block_size / num_blocks: the paged KV cache.
+    waiting_work: how IBS counts a waiting generation request's remaining work: ``"prompt"``
+        (prompt tokens only, the default) or ``"prompt+output"`` (plus its expected output).
+    max_model_len: longest sequence the model accepts; longer requests are rejected.
+    """
+
+    token_budget: int = 4096
+    chunk_size: int | None = 512
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_blocks: int = 4096
+    waiting_work: str = "prompt"
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: object) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"scheduler.{name} must be a positive integer, got {value!r}")
+
+        positive("token_budget", self.token_budget)
+        if self.chunk_size is not None:
+            positive("chunk_size", self.chunk_size)
+            if self.chunk_size > self.token_budget:
+                raise ValueError(
+                    f"scheduler.chunk_size ({self.chunk_size}) is larger than "
+                    f"scheduler.token_budget ({self.token_budget}): a chunk could never fit"
+                )
+        positive("max_num_seqs", self.max_num_seqs)
+        positive("block_size", self.block_size)
+        positive("num_blocks", self.num_blocks)
+        if self.max_model_len is not None:
+            positive("max_model_len", self.max_model_len)
+        if self.waiting_work not in WAITING_WORK_MODES:
+            raise ValueError(
+                f"scheduler.waiting_work must be one of {', '.join(WAITING_WORK_MODES)}, "
+                f"got {self.waiting_work!r}"
+            )
+
+    @property
+    def count_waiting_output(self) -> bool:
+        return self.waiting_work == "prompt+output"

@@ -1,0 +1,69 @@
+"""Paged KV-cache accounting: which blocks each request holds.
+
+Block ids are real (a free list), so the PyTorch engine indexes its cache tensors with the very
+tables this class keeps, and the simulator gets the same admission and preemption behaviour.
+"""
+
+from __future__ import annotations
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Pop from the end: lowest ids are handed out first, which keeps traces readable.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def held(self, request_id: str) -> int:
+        table = self.tables.get(request_id)
+        return len(table) if table else 0
+
+    def extra_blocks(self, request_id: str, num_tokens: int) -> int:
+        """Blocks a request must still get to hold ``num_tokens`` tokens."""
+        return max(0, self.blocks_for(num_tokens) - self.held(request_id))
+
+    def can_hold(self, request_id: str, num_tokens: int) -> bool:
+        return self.extra_blocks(request_id, num_tokens) <= len(self._free)
+
+    def grow(self, request_id: str, num_tokens: int) -> bool:
+        """Make the request hold enough blocks for ``num_tokens`` tokens; False if they don't fit."""
+        extra = self.extra_blocks(request_id, num_tokens)
+        if extra > len(self._free):
+            return False
+        if extra:
+            table = self.tables.setdefault(request_id, [])
+            for _ in range(extra):
+                table.append(self._free.pop())
+        return True
+
+    def free(self, request_id: str) -> int:
+        """Return every block of the request to the pool; returns how many were freed."""
+        table = self.tables.pop(request_id, None)
+        if not table:
+            return 0
+        self._free.extend(reversed(table))
+        return len(table)

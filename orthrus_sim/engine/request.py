@@ -1,0 +1,176 @@
+"""Requests: what a client asked for, how far it has got, and when each step happened.
+
+A request is a sequence of tokens. Its first ``input_len`` tokens are the prompt (or the text to
+embed); a generation request then grows by one sampled token per step. ``num_computed`` counts the
+tokens whose keys/values are in the KV cache, so the next item of work always starts at
+``num_computed`` and the tokens still to compute are ``seq_len - num_computed``. A decode is the
+case where exactly one token (the last sampled one) is left.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+POOLING_HEADS = ("mean", "weighted-mean", "cls", "last", "buffer")
+
+
+class RequestKind(enum.Enum):
+    EMBEDDING = "embedding"
+    GENERATION = "generation"
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (RequestState.FINISHED, RequestState.ABORTED, RequestState.REJECTED)
+
+
+# Legal state changes; anything else is a scheduler bug and raises.
+_TRANSITIONS = {
+    RequestState.WAITING: {RequestState.RUNNING, RequestState.ABORTED, RequestState.REJECTED},
+    RequestState.RUNNING: {
+        RequestState.WAITING,  # preempted (recompute) or handed to another replica
+        RequestState.FINISHED,
+        RequestState.ABORTED,
+    },
+    RequestState.FINISHED: set(),
+    RequestState.ABORTED: set(),
+    RequestState.REJECTED: set(),
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One embedding or generation request and its progress.
+
+    ``max_output_tokens`` is the generation cap (0 for embeddings); ``expected_output_tokens``
+    is what a scheduler may assume when it counts a waiting request's work (defaults to the cap).
+    """
+
+    request_id: str
+    kind: RequestKind
+    arrival_time: float
+    input_len: int
+    max_output_tokens: int = 0
+    token_ids: list[int] | None = None
+    pooling: str = "mean"
+    normalize: bool = False
+    adapter: str | None = None
+    expected_output_tokens: int | None = None
+    payload: Any = None  # free slot for an executor (sampling params, futures, ...)
+
+    state: RequestState = field(default=RequestState.WAITING, init=False)
+    num_computed: int = field(default=0, init=False)
+    num_generated: int = field(default=0, init=False)
+    chunks_done: int = field(default=0, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    reject_reason: str | None = field(default=None, init=False)
+    ready_since: float = field(default=0.0, init=False)
+    order: tuple[float, int] = field(default=(0.0, 0), init=False)  # FCFS key: arrival, then add
+    admitted_at: float | None = field(default=None, init=False)
+    first_chunk_at: float | None = field(default=None, init=False)
+    first_token_at: float | None = field(default=None, init=False)
+    finished_at: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kind, str):
+            try:
+                self.kind = RequestKind(self.kind)
+            except ValueError:
+                raise ValueError(
+                    f"request {self.request_id}: kind must be 'embedding' or 'generation', "
+                    f"got {self.kind!r}"
+                ) from None
+        if self.token_ids is not None and self.input_len != len(self.token_ids):
+            raise ValueError(
+                f"request {self.request_id}: input_len={self.input_len} but "
+                f"{len(self.token_ids)} token_ids were given"
+            )
+        if not isinstance(self.input_len, int) or self.input_len <= 0:
+            raise ValueError(
+                f"request {self.request_id}: input_len must be a positive integer, "
+                f"got {self.input_len!r}"
+            )
+        if self.kind is RequestKind.GENERATION:
+            if not isinstance(self.max_output_tokens, int) or self.max_output_tokens <= 0:
+                raise ValueError(
+                    f"request {self.request_id}: max_output_tokens must be a positive integer "
+                    f"for a generation request, got {self.max_output_tokens!r}"
+                )
+        else:
+            if self.max_output_tokens != 0:
+                raise ValueError(
+                    f"request {self.request_id}: max_output_tokens must be 0 for an embedding "
+                    f"request, got {self.max_output_tokens!r}"
+                )
+            if self.pooling not in POOLING_HEADS:
+                raise ValueError(
+                    f"request {self.request_id}: unknown pooling head {self.pooling!r}; "
+                    f"known heads: {', '.join(POOLING_HEADS)}"
+                )
+        if self.expected_output_tokens is None:
+            self.expected_output_tokens = self.max_output_tokens
+        elif self.expected_output_tokens < 0:
+            raise ValueError(
+                f"request {self.request_id}: expected_output_tokens must be >= 0, "
+                f"got {self.expected_output_tokens!r}"
+            )
+        self.ready_since = self.arrival_time
+
+    # ----- derived progress -------------------------------------------------------------
+    @property
+    def is_embedding(self) -> bool:
+        return self.kind is RequestKind.EMBEDDING
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the sequence so far: the input plus every sampled token."""
+        return self.input_len + self.num_generated
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens not yet in the KV cache (1 for a decode)."""
+        return self.seq_len - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_generated > 0 and self.num_uncomputed == 1
+
+    @property
+    def is_done(self) -> bool:
+        if self.is_embedding:
+            return self.num_computed >= self.input_len
+        return self.num_generated >= self.max_output_tokens
+
+    def remaining_work(self, count_output: bool) -> int:
+        """Tokens still to process: uncomputed tokens, plus expected decodes if asked."""
+        work = self.num_uncomputed
+        if count_output and not self.is_embedding:
+            work += max(0, self.expected_output_tokens - max(self.num_generated, 1))
+        return work
+
+    # ----- state machine ------------------------------------------------------------------
+    def transition(self, new: RequestState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise RuntimeError(
+                f"request {self.request_id}: illegal state change {self.state.value} -> {new.value}"
+            )
+        self.state = new
+
+    def reject(self, reason: str) -> None:
+        self.transition(RequestState.REJECTED)
+        self.reject_reason = reason
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop the cache; generated tokens are kept and re-prefilled."""
+        self.num_computed = 0
+        self.chunks_done = 0
+        self.num_preemptions += 1

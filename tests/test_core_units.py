@@ -1,0 +1,209 @@
+"""Worked examples and bad-input checks for the scheduling core."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orthrus_sim.engine import (
+    BlockManager,
+    IncrementalPooler,
+    ItemKind,
+    Request,
+    RequestKind,
+    RequestState,
+    SchedulerConfig,
+    make_policy,
+    resolve_policy,
+)
+from tests.helpers import drive, make_requests
+
+
+def test_ibs_worked_example_interleaves_by_remaining_work():
+    # Qe holds 3 x 128 = 384 tokens, Qg holds 1 x 128: IBS gives embeddings 3 turns per 1.
+    policy = make_policy("orthrus", SchedulerConfig(token_budget=512, chunk_size=128))
+    reqs = make_requests([("embedding", 0, 128, 0)] * 3 + [("generation", 0, 128, 4)])
+    for r in reqs:
+        policy.add(r)
+    batch = policy.schedule(0.0)
+    assert [it.kind for it in batch.items] == [ItemKind.EMBED_CHUNK] * 3 + [ItemKind.PREFILL_CHUNK]
+    assert batch.total_tokens == 512
+    assert batch.token_slice(ItemKind.EMBED_CHUNK) == slice(0, 384)
+    assert batch.token_slice(ItemKind.PREFILL_CHUNK) == slice(384, 512)
+    assert batch.item_slice(ItemKind.DECODE) == slice(4, 4)
+
+
+def test_chunk_that_does_not_fit_is_not_split():
+    policy = make_policy("orthrus", SchedulerConfig(token_budget=100, chunk_size=64))
+    for r in make_requests([("embedding", 0, 64, 0), ("embedding", 0, 64, 0)]):
+        policy.add(r)
+    batch = policy.schedule(0.0)
+    assert batch.total_tokens == 64  # 36 tokens stay unused rather than splitting the 2nd chunk
+
+
+def test_head_of_line_unified_hetero_blocks_embeddings_orthrus_does_not():
+    spec = [("generation", 0, 256, 8)] * 40 + [("embedding", 0, 128, 0)] * 40
+    first_embed = {}
+    for name in ("unified-hetero", "orthrus"):
+        policy = make_policy(name, SchedulerConfig(token_budget=1024, chunk_size=256))
+        batches = drive(policy, make_requests(spec))
+        first_embed[name] = next(i for i, b in enumerate(batches)
+                                 if b.tokens_of(ItemKind.EMBED_CHUNK))
+    assert first_embed["orthrus"] == 0
+    assert first_embed["unified-hetero"] >= 9  # waits behind all 40 prompts (10 batches)
+
+
+def test_unified_homo_never_mixes():
+    policy = make_policy("unified-homo", SchedulerConfig(token_budget=512, chunk_size=128))
+    spec = [("generation", 0, 100, 5), ("embedding", 0, 300, 0), ("generation", 1, 50, 3),
+            ("embedding", 2, 40, 0)]
+    batches = drive(policy, make_requests(spec))
+    for b in batches:
+        kinds = {it.kind is ItemKind.EMBED_CHUNK for it in b.items}
+        assert len(kinds) == 1
+    assert any(it.kind is ItemKind.EMBED_CHUNK for b in batches for it in b.items)
+
+
+def test_embedding_holds_blocks_until_last_chunk():
+    policy = make_policy("orthrus", SchedulerConfig(token_budget=64, chunk_size=32, block_size=16))
+    (req,) = make_requests([("embedding", 0, 80, 0)])
+    policy.add(req)
+    held = []
+    while policy.has_work:
+        batch = policy.schedule()
+        held.append(policy.blocks.held(req.request_id))
+        policy.complete(batch, 1.0)
+    assert held == [5, 5, 5]  # whole input reserved at the first chunk, 3 chunks
+    assert policy.blocks.num_used == 0 and req.chunks_done == 3
+
+
+def test_decode_growth_preempts_newest_and_recomputes():
+    # 6 blocks of 4 tokens: two 8-token prompts fill 4 blocks; decodes grow until one must go.
+    policy = make_policy("generation", SchedulerConfig(token_budget=64, chunk_size=None,
+                                                       block_size=4, num_blocks=6))
+    reqs = make_requests([("generation", 0, 8, 10), ("generation", 0, 8, 10)])
+    drive(policy, reqs)
+    assert policy.num_preemptions >= 1
+    assert reqs[1].num_preemptions >= 1 and reqs[0].num_preemptions == 0  # newest goes
+    assert all(r.state is RequestState.FINISHED and r.num_generated == 10 for r in reqs)
+    assert policy.blocks.num_used == 0
+
+
+def test_abort_frees_blocks_everywhere():
+    policy = make_policy("orthrus", SchedulerConfig(token_budget=64, chunk_size=32))
+    reqs = make_requests([("embedding", 0, 100, 0), ("generation", 0, 40, 50),
+                          ("generation", 0, 40, 50)])
+    for r in reqs:
+        policy.add(r)
+    policy.complete(policy.schedule(), 1.0)
+    assert policy.blocks.num_used > 0
+    for r in reqs:
+        assert policy.abort(r.request_id) is r
+        assert r.state is RequestState.ABORTED
+    assert policy.blocks.num_used == 0 and not policy.has_work
+    assert policy.abort("nope") is None
+
+
+def test_prefill_only_hands_off_after_first_token_and_decode_only_finishes():
+    prefill = make_policy("prefill-only", SchedulerConfig(token_budget=256, chunk_size=128))
+    decode = make_policy("decode-only", SchedulerConfig(token_budget=256, chunk_size=None))
+    (req,) = make_requests([("generation", 0, 200, 5)])
+    prefill.add(req)
+    left = []
+    while not left:
+        left = prefill.complete(prefill.schedule(), 1.0)
+    assert left == [req] and req.state is RequestState.WAITING
+    assert req.num_computed == 200 and req.num_generated == 1 and prefill.blocks.num_used == 0
+    decode.add(req, 2.0)
+    batches = drive(decode, [])
+    assert all(it.kind is ItemKind.DECODE for b in batches for it in b.items)
+    assert req.state is RequestState.FINISHED and req.num_generated == 5
+
+
+def test_rejections_carry_a_reason():
+    policy = make_policy("generation", SchedulerConfig(num_blocks=4, block_size=16,
+                                                       max_model_len=100))
+    (emb, long, huge) = make_requests([("embedding", 0, 10, 0), ("generation", 0, 90, 20),
+                                       ("generation", 0, 50, 40)])
+    assert not policy.add(emb) and "does not serve embedding" in emb.reject_reason
+    assert not policy.add(long) and "maximum length" in long.reject_reason
+    assert not policy.add(huge) and "KV blocks" in huge.reject_reason
+    atomic = make_policy("embedding-only", SchedulerConfig(token_budget=64, chunk_size=None))
+    (big,) = make_requests([("embedding", 0, 65, 0)])
+    assert not atomic.add(big) and "token budget" in big.reject_reason
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(input_len=0), "input_len"),
+    (dict(input_len=-3), "input_len"),
+    (dict(kind="generation", max_output_tokens=0), "max_output_tokens"),
+    (dict(pooling="median"), "pooling head"),
+    (dict(kind="audio"), "kind"),
+])
+def test_bad_request_names_the_field(kwargs, field):
+    base = dict(request_id="x", kind="embedding", arrival_time=0.0, input_len=4)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        Request(**base)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(token_budget=0), "token_budget"),
+    (dict(token_budget=64, chunk_size=128), "chunk_size"),
+    (dict(num_blocks=0), "num_blocks"),
+    (dict(waiting_work="all"), "waiting_work"),
+])
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**kwargs)
+
+
+def test_bad_policy_paths():
+    with pytest.raises(ValueError, match="unknown policy 'fifo'"):
+        resolve_policy("fifo")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
+        resolve_policy("no_such_mod:Policy")
+    with pytest.raises(ValueError, match="has no 'Nope'"):
+        resolve_policy("orthrus_sim.engine:Nope")
+    with pytest.raises(ValueError, match="not a subclass"):
+        resolve_policy("orthrus_sim.engine:Request")
+
+
+def test_user_policy_by_import_path():
+    cls = resolve_policy("tests.example_policy:ShortestEmbeddingFirst")
+    policy = cls(SchedulerConfig(token_budget=128, chunk_size=128))
+    reqs = make_requests([("embedding", 0, 100, 0), ("embedding", 0, 10, 0)])
+    for r in reqs:
+        policy.add(r)
+    batch = policy.schedule()
+    assert batch.items[0].request is reqs[1]
+
+
+def test_pooler_on_bf16_like_input_accumulates_in_fp32():
+    h = np.ones((1000, 4), dtype=np.float16) * np.float16(0.1)
+    p = IncrementalPooler("mean")
+    for lo in range(0, 1000, 7):
+        p.update(h[lo:lo + 7])
+    assert p.result().dtype == np.float32
+    np.testing.assert_allclose(p.result(), 0.0999755859375, rtol=1e-6)
+
+
+def test_pooler_bad_inputs():
+    with pytest.raises(ValueError, match="unknown head"):
+        IncrementalPooler("max")
+    with pytest.raises(ValueError, match="needs a function"):
+        IncrementalPooler("buffer")
+    with pytest.raises(ValueError, match="no hidden states"):
+        IncrementalPooler("mean").result()
+
+
+def test_block_manager_bad_sizes():
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager(0, 16)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockManager(4, -1)
+
+
+def test_request_kind_enum_roundtrip():
+    r = Request("a", "generation", 0.0, 3, max_output_tokens=2)
+    assert r.kind is RequestKind.GENERATION and r.remaining_work(True) == 4
