@@ -26,6 +26,7 @@ class CostModel:
         self.coefficients = coefficients or Coefficients()
         self.lora = lora
         self._token_cache: dict[int, float] = {}
+        self._flops_cache: dict[int, float] = {}
 
     def _op_time(self, name: str, flops: float, bytes_: float) -> float:
         if flops == 0.0 and bytes_ == 0.0:
@@ -64,3 +65,33 @@ class CostModel:
     def iteration_time(self, batch: BatchUnit) -> float:
         """Seconds one forward pass (and its emit stage) over ``batch`` takes."""
         return self.shape_time(BatchShape.from_batch(batch, adapter=self.lora is not None))
+
+    def shape_flops(self, shape: BatchShape) -> float:
+        """Useful FLOPs of one iteration (for compute utilisation)."""
+        if shape.num_seqs == 0:
+            return 0.0
+        fixed = self._flops_cache.get(shape.tokens)
+        if fixed is None:
+            fixed = self._layer_sum(token_work(self.model, shape.tokens), index=0)
+            self._flops_cache[shape.tokens] = fixed
+        return fixed + self._layer_sum(variable_work(self.model, shape, self.lora), index=0)
+
+    def _layer_sum(self, work: dict[str, tuple[float, float]], index: int) -> float:
+        layers = self.model.num_layers
+        total = 0.0
+        for name, pair in work.items():
+            reps = PER_LAYER.get(name, 0)
+            total += pair[index] * (reps * layers if reps else 1)
+        return total
+
+    def decode_step_times(self, shape: BatchShape, steps: int) -> list[float]:
+        """Times of ``steps`` consecutive all-decode iterations starting from ``shape``: each
+        step every decode's context grows by one token; nothing else changes."""
+        times = []
+        kv = shape.decode_kv
+        for _ in range(steps):
+            shape.decode_kv = kv
+            times.append(self.shape_time(shape))
+            kv += shape.decodes
+        shape.decode_kv = kv - shape.decodes * steps
+        return times

@@ -321,3 +321,57 @@ class Policy:
                 break
             used += n
         return used
+
+    # ----- runs of identical decode iterations (a simulator fast path) ----------------------
+    def steady_decode_steps(self, batch: BatchUnit) -> int:
+        """How many iterations, starting with ``batch``, would be the same all-decode batch.
+
+        Nonzero only when nothing waits (no new work could join), every running request is a
+        decode in ``batch``, and the KV cache can grow for the whole run. The run ends at the
+        first step where some request finishes. Arrivals are the caller's business: it must cut
+        the run at the first iteration boundary after one.
+        """
+        if self.embed_queue or self.gen_queue or len(batch.items) != len(self.running):
+            return 0
+        if not batch.items or batch.items[0].kind is not ItemKind.DECODE:
+            return 0
+        steps = min(r.max_output_tokens - r.num_generated for r in self.running)
+        if steps < 1:
+            return 0
+        bs = self.config.block_size
+        free = self.blocks.num_free
+
+        def extra_blocks(k: int) -> int:
+            # step k computes the token at position seq_len + k - 2, so holds seq_len + k - 1
+            return sum(max(0, -(-(r.seq_len + k - 1) // bs) - len(self.blocks.tables[r.request_id]))
+                       for r in self.running)
+
+        if extra_blocks(steps) > free:
+            lo, hi = 1, steps  # largest k whose growth fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if extra_blocks(mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            steps = lo if extra_blocks(lo) <= free else 0
+        return steps
+
+    def complete_decode_run(self, batch: BatchUnit, steps: int, now: float) -> list[Request]:
+        """Apply ``steps`` identical decode iterations at once (``steps`` from
+        ``steady_decode_steps``); ``now`` is the end of the last one."""
+        left: list[Request] = []
+        self.iterations += steps
+        for item in batch.items:
+            req = item.request
+            if req.state is not RequestState.RUNNING:
+                continue
+            if not self.blocks.grow(req.request_id, req.seq_len + steps - 1):
+                raise RuntimeError("decode run outgrew the KV cache: steady_decode_steps was not used")
+            req.num_computed += steps
+            req.num_generated += steps
+            req.ready_since = now
+            if req.is_done:
+                self._finish(req, now)
+                left.append(req)
+        return left

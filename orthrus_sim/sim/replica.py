@@ -1,0 +1,128 @@
+"""A replica: one model instance on one GPU, as a SimPy process.
+
+Its loop is the brief's three stages: ask the shared policy for a batch unit, hold for the cost
+model's iteration time, then complete the items. When only identical decode iterations can
+follow (nothing waits, nobody finishes, the KV cache can grow), it advances the whole run in
+one step, cut short at the first iteration boundary after a new request arrives, so the result
+is what stepping one iteration at a time gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import simpy
+
+from orthrus_sim.costmodel.shape import BatchShape
+from orthrus_sim.engine.policy import Policy
+from orthrus_sim.engine.request import Request
+
+
+@dataclass
+class ReplicaStats:
+    iterations: int = 0
+    busy_s: float = 0.0
+    flops: float = 0.0
+    tokens: int = 0
+    budget_fill_sum: float = 0.0
+    embed_tokens: int = 0
+    gen_tokens: int = 0
+    decode_runs: int = 0
+    samples: list[tuple[float, float, float]] = field(default_factory=list)
+
+
+class Replica:
+    def __init__(self, env: simpy.Environment, index: int, role: str, policy: Policy, cost,
+                 on_leave: Callable[[Request, Replica], None], fast_forward: bool = True) -> None:
+        self.env = env
+        self.index = index
+        self.role = role
+        self.policy = policy
+        self.cost = cost
+        self.on_leave = on_leave
+        self.fast_forward = fast_forward
+        self.stats = ReplicaStats()
+        self.adapter = getattr(cost, "lora", None) is not None
+        self._wake: simpy.Event | None = None
+        self.outstanding_work = 0  # tokens routed here and not finished (least-work router)
+        self._work: dict[str, int] = {}
+        self.process = env.process(self.run())
+
+    def submit(self, request: Request) -> None:
+        now = self.env.now
+        if not self.policy.add(request, now):
+            self.on_leave(request, self)
+            return
+        work = request.remaining_work(True)
+        self._work[request.request_id] = work
+        self.outstanding_work += work
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _leave(self, requests: list[Request]) -> None:
+        for req in requests:
+            self.outstanding_work -= self._work.pop(req.request_id, 0)
+            self.on_leave(req, self)
+
+    def _account(self, shape: BatchShape, steps: int, seconds: float, flops: float) -> None:
+        s = self.stats
+        s.iterations += steps
+        s.busy_s += seconds
+        s.flops += flops
+        s.tokens += shape.tokens * steps
+        s.budget_fill_sum += steps * shape.tokens / self.policy.config.token_budget
+        s.embed_tokens += shape.pooled_rows * steps
+        s.gen_tokens += (shape.tokens - shape.pooled_rows) * steps
+
+    def run(self):
+        env, policy, cost = self.env, self.policy, self.cost
+        while True:
+            batch = policy.schedule(env.now)
+            if not batch:
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                continue
+            shape = BatchShape.from_batch(batch, adapter=self.adapter)
+            steps = policy.steady_decode_steps(batch) if self.fast_forward else 0
+            if steps > 1:
+                yield from self._decode_run(batch, shape, steps)
+                continue
+            seconds = cost.shape_time(shape)
+            yield env.timeout(seconds)
+            self._account(shape, 1, seconds, cost.shape_flops(shape))
+            self._leave(policy.complete(batch, env.now))
+
+    def _decode_run(self, batch, shape: BatchShape, steps: int):
+        """Advance identical decode iterations; stop after the one in flight when work arrives."""
+        env = self.env
+        times = self.cost.decode_step_times(shape, steps)
+        start = env.now
+        ends = []
+        t = start
+        for dt in times:
+            t += dt
+            ends.append(t)
+        self._wake = env.event()
+        timeout = env.timeout(ends[-1] - start)
+        yield env.any_of([timeout, self._wake])
+        self._wake = None
+        done = steps
+        if not timeout.processed and env.now < ends[-1]:
+            # work arrived: finish the iteration in flight, then reschedule
+            done = next(i for i, e in enumerate(ends, start=1) if e > env.now)
+            if ends[done - 1] > env.now:
+                yield env.timeout(ends[done - 1] - env.now)
+        first_flops = self.cost.shape_flops(shape)
+        kv0 = shape.decode_kv
+        shape.decode_kv = kv0 + shape.decodes * (done - 1)
+        last_flops = self.cost.shape_flops(shape)
+        shape.decode_kv = kv0
+        self._account(shape, done, ends[done - 1] - start, (first_flops + last_flops) / 2 * done)
+        self.stats.decode_runs += 1
+        if done == 1:
+            self._leave(self.policy.complete(batch, env.now))
+        else:
+            self._leave(self.policy.complete_decode_run(batch, done, env.now))
+
