@@ -72,7 +72,8 @@ def compute_metrics(issued: list[Request], workflows: list, replicas: list, star
                 "compute": rep.stats.flops / (peak_flops * elapsed),
                 "iterations": rep.stats.iterations,
                 "budget_fill": rep.stats.budget_fill_sum / max(rep.stats.iterations, 1),
-                "preemptions": rep.policy.num_preemptions}
+                "preemptions": rep.policy.num_preemptions,
+                "decode_runs": rep.stats.decode_runs}
                for rep in replicas]
     iterations = sum(rep.stats.iterations for rep in replicas)
     return {

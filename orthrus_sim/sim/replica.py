@@ -9,6 +9,7 @@ is what stepping one iteration at a time gives.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,17 @@ class ReplicaStats:
     samples: list[tuple[float, float, float]] = field(default_factory=list)
 
 
+def _delay_to(now: float, target: float) -> float:
+    """The delay that lands SimPy's clock (``now + delay``) exactly on ``target``, so a run of
+    iterations ends at the very float that stepping them one by one reaches."""
+    delay = target - now
+    while now + delay < target:
+        delay = math.nextafter(delay, math.inf)
+    while now + delay > target:
+        delay = math.nextafter(delay, -math.inf)
+    return delay
+
+
 class Replica:
     def __init__(self, env: simpy.Environment, index: int, role: str, policy: Policy, cost,
                  on_leave: Callable[[Request, Replica], None], fast_forward: bool = True) -> None:
@@ -45,6 +57,7 @@ class Replica:
         self.stats = ReplicaStats()
         self.adapter = getattr(cost, "lora", None) is not None
         self._wake: simpy.Event | None = None
+        self._run: tuple | None = None  # a decode run in flight: batch, shape, start, ends
         self.outstanding_work = 0  # tokens routed here and not finished (least-work router)
         self._work: dict[str, int] = {}
         self.process = env.process(self.run())
@@ -104,8 +117,9 @@ class Replica:
         for dt in times:
             t += dt
             ends.append(t)
+        self._run = (batch, shape, start, ends)
         self._wake = env.event()
-        timeout = env.timeout(ends[-1] - start)
+        timeout = env.timeout(_delay_to(start, ends[-1]))
         yield env.any_of([timeout, self._wake])
         self._wake = None
         done = steps
@@ -113,7 +127,12 @@ class Replica:
             # work arrived: finish the iteration in flight, then reschedule
             done = next(i for i, e in enumerate(ends, start=1) if e > env.now)
             if ends[done - 1] > env.now:
-                yield env.timeout(ends[done - 1] - env.now)
+                yield env.timeout(_delay_to(env.now, ends[done - 1]))
+        self._apply_run(done)
+
+    def _apply_run(self, done: int) -> None:
+        batch, shape, start, ends = self._run
+        self._run = None
         first_flops = self.cost.shape_flops(shape)
         kv0 = shape.decode_kv
         shape.decode_kv = kv0 + shape.decodes * (done - 1)
@@ -122,7 +141,15 @@ class Replica:
         self._account(shape, done, ends[done - 1] - start, (first_flops + last_flops) / 2 * done)
         self.stats.decode_runs += 1
         if done == 1:
-            self._leave(self.policy.complete(batch, env.now))
+            self._leave(self.policy.complete(batch, ends[0]))
         else:
-            self._leave(self.policy.complete_decode_run(batch, done, env.now))
+            self._leave(self.policy.complete_decode_run(batch, done, ends[done - 1]))
 
+    def flush(self) -> None:
+        """At the end of a simulation: apply the iterations of a decode run that ended before
+        now, as stepping one at a time would have (an iteration ending exactly now is not)."""
+        if self._run is not None:
+            done = sum(1 for e in self._run[3] if e < self.env.now)
+            if done:
+                self._apply_run(done)
+            self._run = None

@@ -56,6 +56,8 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
     if scenario.duration_s is not None:
         env.run(until=scenario.duration_s)
         end = scenario.duration_s
+        for replica in cluster.replicas:
+            replica.flush()
     else:
         cap = env.timeout(scenario.max_sim_time_s)
         env.run(until=env.any_of([driver.all_done, cap]))

@@ -1,0 +1,223 @@
+"""Simulator: worked examples per configuration, queueing theory, conservation, determinism."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from orthrus_sim.cli import app
+from orthrus_sim.costmodel import get_model
+from orthrus_sim.scenario import parse_scenario
+from orthrus_sim.sim.run import simulate
+
+A, B = 0.01, 0.0001  # the test cost: A seconds per iteration plus B per token
+
+
+class LinearCost:
+    lora = None
+
+    def __init__(self, model, lora):
+        self.model = model
+
+    def shape_time(self, shape):
+        return A + B * shape.tokens
+
+    def shape_flops(self, shape):
+        return 0.0
+
+    def decode_step_times(self, shape, steps):
+        return [self.shape_time(shape)] * steps
+
+
+def burst_scenario(configuration: str, gpus: int, **extra) -> dict:
+    raw = {
+        "name": "worked", "seed": 0, "cluster": {"gpus": gpus},
+        "scheduler": {"token_budget": 1024, "chunk_size": 512, "num_blocks": 1000},
+        "workload": {"arrival": {"process": "burst"},
+                     "burst": [{"kind": "generation", "count": 1},
+                               {"kind": "embedding", "count": 1}],
+                     "embedding_input": {"dist": "fixed", "value": 128},
+                     "generation_prompt": {"dist": "fixed", "value": 128},
+                     "generation_output": {"dist": "fixed", "value": 4}},
+        "configurations": [configuration],
+    }
+    raw.update(extra)
+    return raw
+
+
+def finish_times(configuration: str, gpus: int) -> dict[str, float]:
+    scenario = parse_scenario(burst_scenario(configuration, gpus))
+    result = simulate(scenario, configuration, cost_factory=LinearCost)
+    assert all(r["state"] == "finished" for r in result.requests)
+    return {r["kind"]: r["finished_s"] for r in result.requests} | {
+        "ttft": next(r["first_token_s"] for r in result.requests if r["kind"] == "generation")}
+
+
+EMB_ALONE = A + B * 128  # one 128-token pass
+BOTH = A + B * 256  # embedding chunk and prompt in one pass
+DECODE = A + B * 1
+
+
+@pytest.mark.parametrize("configuration", ["orthrus", "unified-hetero"])
+def test_worked_example_mixed_batch(configuration):
+    t = finish_times(configuration, 1)
+    assert t["embedding"] == pytest.approx(BOTH)
+    assert t["ttft"] == pytest.approx(BOTH)
+    assert t["generation"] == pytest.approx(BOTH + 3 * DECODE)
+
+
+def test_worked_example_unified_homo_alternates():
+    t = finish_times("unified-homo", 1)
+    assert t["embedding"] == pytest.approx(EMB_ALONE)  # tie at t=0: embedding side first
+    assert t["ttft"] == pytest.approx(2 * EMB_ALONE)
+    assert t["generation"] == pytest.approx(2 * EMB_ALONE + 3 * DECODE)
+
+
+def test_worked_example_dedicated():
+    t = finish_times("dedicated-1:1", 2)
+    assert t["embedding"] == pytest.approx(EMB_ALONE)
+    assert t["generation"] == pytest.approx(EMB_ALONE + 3 * DECODE)
+
+
+def test_worked_example_disaggregated():
+    t = finish_times("disagg-pd", 2)
+    transfer = 128 * get_model("mistral-7b-v0.1").kv_bytes_per_token / 600e9
+    assert t["embedding"] == pytest.approx(BOTH)
+    assert t["ttft"] == pytest.approx(BOTH)
+    assert t["generation"] == pytest.approx(BOTH + transfer + 3 * DECODE)
+
+
+def test_dedicated_without_embedding_replicas_rejects_with_reason():
+    scenario = parse_scenario(burst_scenario("dedicated-0:1", 1))
+    result = simulate(scenario, "dedicated-0:1", cost_factory=LinearCost)
+    emb = next(r for r in result.requests if r["kind"] == "embedding")
+    assert emb["state"] == "rejected" and "no replica serving embedding" in emb["reject_reason"]
+    assert result.metrics["rejected"]["embedding"] == 1
+
+
+def test_single_replica_matches_md1_queueing():
+    """Poisson arrivals, deterministic service, one request at a time: M/D/1."""
+    rate, tokens = 30.0, 128
+    service = A + B * tokens
+    rho = rate * service
+    raw = {
+        "name": "md1", "seed": 3, "num_requests": 20000, "warmup_s": 20.0,
+        "scheduler": {"max_num_seqs": 1, "num_blocks": 1000},
+        "workload": {"generation_share": 0.0, "arrival": {"process": "poisson", "rate": rate},
+                     "embedding_input": {"dist": "fixed", "value": tokens}},
+        "configurations": ["unified:embedding-only"],
+    }
+    result = simulate(parse_scenario(raw), "unified:embedding-only", cost_factory=LinearCost)
+    expected = service + rho * service / (2 * (1 - rho))  # Pollaczek-Khinchine, D service
+    measured = result.metrics["latency_s"]["embedding"]["mean"]
+    assert measured == pytest.approx(expected, rel=0.05)
+    assert result.metrics["utilization"]["busy"] == pytest.approx(rho, rel=0.03)
+
+
+def mixed_raw(**extra) -> dict:
+    raw = {
+        "name": "mixed", "seed": 11, "duration_s": 20, "calibration": "calibration/a100-40gb.json",
+        "cluster": {"gpus": 2},
+        "workload": {"arrival": {"process": "closed-loop", "clients": 48}, "generation_share": 0.4,
+                     "embedding_input": {"dist": "uniform", "low": 16, "high": 1500},
+                     "generation_prompt": {"dist": "lognormal", "median": 200, "sigma": 0.8,
+                                           "max": 3000},
+                     "generation_output": {"dist": "uniform", "low": 1, "high": 300}},
+        "configurations": ["dedicated-1:1", "disagg-pd", "unified-homo", "unified-hetero", "orthrus"],
+    }
+    raw.update(extra)
+    return raw
+
+
+@pytest.mark.parametrize("configuration", ["dedicated-1:1", "disagg-pd", "unified-homo",
+                                           "unified-hetero", "orthrus"])
+def test_conservation(configuration):
+    result = simulate(parse_scenario(mixed_raw()), configuration)
+    m = result.metrics
+    for kind in ("embedding", "generation"):
+        assert m["issued"][kind] == m["completed"][kind] + m["unfinished"][kind] + m["rejected"][kind]
+    assert m["completed"]["embedding"] > 0 and m["completed"]["generation"] > 0
+    assert len(result.requests) == sum(m["issued"].values())
+
+
+def test_same_seed_same_results():
+    scenario = parse_scenario(mixed_raw())
+    a = simulate(scenario, "orthrus").metrics
+    b = simulate(scenario, "orthrus").metrics
+    a.pop("sim_wall_s"), b.pop("sim_wall_s")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    c = simulate(parse_scenario(mixed_raw(seed=12)), "orthrus").metrics
+    assert c["completed"] != a["completed"] or c["latency_s"] != a["latency_s"]
+
+
+@pytest.mark.parametrize("configuration", ["dedicated-1:1", "orthrus"])
+def test_decode_runs_equal_stepping_one_iteration_at_a_time(configuration):
+    scenario = parse_scenario(mixed_raw(duration_s=15))
+    fast = simulate(scenario, configuration, fast_forward=True)
+    slow = simulate(scenario, configuration, fast_forward=False)
+    assert fast.metrics["iterations"] == slow.metrics["iterations"]
+    assert fast.metrics["completed"] == slow.metrics["completed"]
+    assert len(fast.requests) == len(slow.requests)
+    for f, s in zip(fast.requests, slow.requests):
+        assert f["request_id"] == s["request_id"] and f["state"] == s["state"]
+        for key in ("finished_s", "first_token_s"):
+            if f[key] is None:
+                assert s[key] is None
+            else:
+                assert math.isclose(f[key], s[key], rel_tol=1e-9, abs_tol=1e-9)
+    assert sum(g["decode_runs"] for g in fast.metrics["utilization"]["per_gpu"]) > 0
+    assert sum(g["decode_runs"] for g in slow.metrics["utilization"]["per_gpu"]) == 0
+
+
+def test_scenario_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"workload\.arrival: .*needs 'rate'"):
+        parse_scenario({"name": "x", "duration_s": 1, "workload": {"arrival": {"process": "poisson"}}})
+    with pytest.raises(ValueError, match=r"scheduler\.token_budget: Input should be greater"):
+        parse_scenario({"name": "x", "duration_s": 1, "scheduler": {"token_budget": 0}})
+    with pytest.raises(ValueError, match="hardware: unknown name 'tpu'"):
+        parse_scenario({"name": "x", "duration_s": 1, "hardware": "tpu"})
+    with pytest.raises(ValueError, match="give duration_s or num_requests"):
+        parse_scenario({"name": "x"})
+    with pytest.raises(ValueError, match=r"workload\.colour: Extra inputs"):
+        parse_scenario({"name": "x", "duration_s": 1, "workload": {"colour": "red"}})
+    with pytest.raises(ValueError, match="bidirectional"):
+        parse_scenario({"name": "x", "duration_s": 1, "embedding": {"bidirectional": True}})
+    with pytest.raises(ValueError, match="cannot import module"):
+        parse_scenario({"name": "x", "duration_s": 1, "configurations": ["unified:nope.mod:Cls"]})
+
+
+def test_overrides_parse_yaml_values():
+    s = parse_scenario(mixed_raw(), overrides=["configurations=[orthrus, unified-homo]",
+                                               "scheduler.chunk_size=null", "cluster.gpus=2"])
+    assert s.configurations == ["orthrus", "unified-homo"] and s.scheduler.chunk_size is None
+
+
+def test_cli_run_validate_and_errors(tmp_path):
+    import yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(mixed_raw(duration_s=5, configurations=["orthrus", "unified-homo"])))
+    runner = CliRunner()
+    res = runner.invoke(app, ["validate", str(path)])
+    assert res.exit_code == 0, res.output
+    assert "is valid" in res.output
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(path), "--out", str(out), "--workers", "1"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["schema"] == "orthrus.results/1"
+    assert [r["configuration"] for r in doc["runs"]] == ["orthrus", "unified-homo"]
+    for f in ("requests_orthrus.csv", "timeline_orthrus.csv", "throughput.png", "latency_cdf.png",
+              "timeline.png"):
+        assert (out / f).stat().st_size > 0
+    res = runner.invoke(app, ["run", str(path), "--set", "scheduler.chunk_size=99999"])
+    assert res.exit_code == 2 and "chunk_size" in res.output and "Traceback" not in res.output
+    res = runner.invoke(app, ["sweep", str(path), "--grid", "scheduler.chunk_size=256,512",
+                              "--out", str(tmp_path / "sw"), "--workers", "1",
+                              "--set", "configurations=[orthrus]"])
+    assert res.exit_code == 0, res.output
+    sweep = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    assert len(sweep["points"]) == 2
