@@ -50,8 +50,16 @@ class BatchShape:
     @classmethod
     def from_batch(cls, batch: BatchUnit, adapter: bool = True) -> BatchShape:
         shape = cls()
+        decode = ItemKind.DECODE
         for it in batch.items:
-            shape.add_item(it.kind, it.num_tokens, it.start, it.samples, adapter)
+            if it.kind is decode:  # the common case, inlined
+                shape.tokens += 1
+                shape.num_seqs += 1
+                shape.decodes += 1
+                shape.decode_kv += it.start + 1
+                shape.sample_rows += 1
+            else:
+                shape.add_item(it.kind, it.num_tokens, it.start, it.samples, adapter)
         return shape
 
     @classmethod

@@ -79,13 +79,16 @@ class Policy:
         """Apply a finished forward pass; ``stopped`` names generation requests that hit a stop."""
         self.iterations += 1
         left: list[Request] = []
+        running = RequestState.RUNNING
+        embed_chunk, prefill_chunk = ItemKind.EMBED_CHUNK, ItemKind.PREFILL_CHUNK
         for item in batch.items:
             req = item.request
-            if req.state is not RequestState.RUNNING:
+            if req.state is not running:
                 continue  # aborted while the pass ran
             req.num_computed += item.num_tokens
             req.ready_since = now
-            if item.kind is ItemKind.EMBED_CHUNK:
+            kind = item.kind
+            if kind is embed_chunk:
                 req.chunks_done += 1
                 if req.first_chunk_at is None:
                     req.first_chunk_at = now
@@ -93,15 +96,15 @@ class Policy:
                     self._finish(req, now)
                     left.append(req)
                 continue
-            if item.kind is ItemKind.PREFILL_CHUNK:
+            if kind is prefill_chunk:
                 req.chunks_done += 1
                 if req.first_chunk_at is None:
                     req.first_chunk_at = now
-            if req.num_computed == req.seq_len:
+            if req.num_computed == req.input_len + req.num_generated:
                 req.num_generated += 1
                 if req.first_token_at is None:
                     req.first_token_at = now
-                if req.is_done or req.request_id in stopped:
+                if req.num_generated >= req.max_output_tokens or req.request_id in stopped:
                     self._finish(req, now)
                     left.append(req)
                 elif self._hands_off(req):
@@ -237,24 +240,33 @@ class Policy:
 
         A decode that cannot grow its blocks preempts the newest request holding blocks, as
         vLLM does; if that is the decode itself, it steps aside for this iteration.
+        (This loop runs for every decode of every iteration, hence the inlined arithmetic.)
         """
         used = 0
+        cap = self.config.max_num_seqs
+        budget = batch.token_budget
+        block_size = self.blocks.block_size
+        tables = self.blocks.tables
+        running = RequestState.RUNNING
         for req in list(self.running):
-            if req.state is not RequestState.RUNNING:
+            if req.state is not running:
                 continue  # preempted earlier in this loop
-            if self._batch_full(batch):
+            if batch.total_tokens >= budget or len(batch.items) >= cap:
                 break
-            while not self.blocks.grow(req.request_id, req.seq_len):
-                victim = next(reversed(self.holding.values()))
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req.state is not RequestState.RUNNING:
-                continue
-            n = min(req.num_uncomputed, batch.budget_left)
-            kind = ItemKind.DECODE if req.is_decode else ItemKind.PREFILL_CHUNK
+            seq_len = req.input_len + req.num_generated
+            table = tables.get(req.request_id)
+            if table is None or len(table) * block_size < seq_len:
+                while not self.blocks.grow(req.request_id, seq_len):
+                    victim = next(reversed(self.holding.values()))
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+                if req.state is not running:
+                    continue
+            n = seq_len - req.num_computed
+            kind = ItemKind.DECODE if n == 1 and req.num_generated else ItemKind.PREFILL_CHUNK
+            n = min(n, budget - batch.total_tokens)
             batch.add(req, kind, n)
-            self._in_batch.add(req.request_id)
             used += n
         return used
 
@@ -301,7 +313,6 @@ class Policy:
         self.running.append(req)
         n = min(req.num_uncomputed, batch.budget_left)
         batch.add(req, ItemKind.DECODE if req.is_decode else ItemKind.PREFILL_CHUNK, n)
-        self._in_batch.add(req.request_id)
         return n
 
     def _fill_fcfs(self, batch: BatchUnit, now: float, kinds: Iterable[RequestKind]) -> int:
@@ -331,9 +342,11 @@ class Policy:
         first step where some request finishes. Arrivals are the caller's business: it must cut
         the run at the first iteration boundary after one.
         """
-        if self.embed_queue or self.gen_queue or len(batch.items) != len(self.running):
+        if len(batch.items) != len(self.running) or len(self.holding) != len(self.running):
             return 0
         if not batch.items or batch.items[0].kind is not ItemKind.DECODE:
+            return 0
+        if (self.embed_queue or self.gen_queue) and not self._admission_blocked(batch):
             return 0
         steps = min(r.max_output_tokens - r.num_generated for r in self.running)
         if steps < 1:
@@ -356,6 +369,18 @@ class Policy:
                     hi = mid - 1
             steps = lo if extra_blocks(lo) <= free else 0
         return steps
+
+    def _admission_blocked(self, batch: BatchUnit) -> bool:
+        """True when no waiting request can be admitted for as long as the decodes run: the
+        sequence cap is reached, or every queue's head needs more KV blocks than are free
+        (decodes only ever take blocks, so that stays true)."""
+        if len(self.holding) >= self.config.max_num_seqs or batch.num_seqs >= self.config.max_num_seqs:
+            return True
+        free = self.blocks.num_free
+        if self.gen_queue and self.blocks.blocks_for(self.gen_queue[0].seq_len) <= free:
+            return False
+        head = next((r for r in self.embed_queue if r.state is RequestState.WAITING), None)
+        return head is None or self.blocks.blocks_for(head.input_len) > free
 
     def complete_decode_run(self, batch: BatchUnit, steps: int, now: float) -> list[Request]:
         """Apply ``steps`` identical decode iterations at once (``steps`` from
