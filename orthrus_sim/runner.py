@@ -152,19 +152,26 @@ def run_sweep(raw: dict, overrides: list[str], grid: list[str], out: Path,
     tasks = []
     for combo in itertools.product(*[vals for _, vals in axes]):
         point_over = [f"{k}={v}" for (k, _), v in zip(axes, combo)]
-        scenario = parse_scenario(json.loads(json.dumps(raw)), overrides=overrides + point_over)
         label_base = ",".join(point_over)
-        points.append({"overrides": {k: v for (k, _), v in zip(axes, combo)}, "runs": []})
-        for cfg in scenario.configurations:
+        point = {"overrides": {k: v for (k, _), v in zip(axes, combo)}, "runs": [], "skipped": {}}
+        points.append(point)
+        configs = parse_scenario(raw, overrides=overrides).configurations
+        for cfg in configs:
+            try:  # a configuration may not fit this point (e.g. dedicated-1:3 on 2 GPUs)
+                parse_scenario(raw,
+                               overrides=overrides + point_over + [f"configurations=[{cfg}]"])
+            except ValueError as exc:
+                point["skipped"][cfg] = str(exc).splitlines()[-1].strip()
+                continue
+            point["runs"].append(None)
             tasks.append((raw, overrides + point_over, cfg, f"{label_base} {cfg}"))
     results = iter(run_tasks(tasks, workers))
     for point in points:
-        point_over = [f"{k}={v}" for k, v in point["overrides"].items()]
-        scenario = parse_scenario(json.loads(json.dumps(raw)), overrides=overrides + point_over)
-        for _ in scenario.configurations:
-            r = next(results)
-            point["runs"].append({"configuration": r.configuration, "metrics": r.metrics})
-    base = parse_scenario(json.loads(json.dumps(raw)), overrides=overrides)
+        point["runs"] = [
+            {"configuration": r.configuration, "metrics": r.metrics}
+            for r in (next(results) for _ in point["runs"])
+        ]
+    base = parse_scenario(raw, overrides=overrides)
     doc = {"schema": SCHEMA, "scenario": scenario_dump(base), "grid": dict(axes), "points": points}
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(doc, indent=2) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -78,8 +79,18 @@ class BurstGroup(Strict):
 
 
 class Phase(Strict):
-    duration_s: float = Field(gt=0)
+    """A stretch of the workload with its own mix: it lasts ``duration_s`` or ``requests``
+    units of work (requests, or workflows), whichever the phase gives."""
+
+    duration_s: float | None = Field(default=None, gt=0)
+    requests: int | None = Field(default=None, ge=1)
     generation_share: float = Field(ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _one_length(self):
+        if (self.duration_s is None) == (self.requests is None):
+            raise ValueError("give exactly one of duration_s or requests")
+        return self
 
 
 class IterRetGen(Strict):
@@ -113,11 +124,14 @@ class Workload(Strict):
             raise ValueError(f"trace file {self.trace} does not exist")
         if self.arrival.process == "burst" and self.kind == "synthetic" and not self.burst:
             raise ValueError("arrival.process 'burst' needs a 'burst' list of {kind, count}")
+        by_time = [p.duration_s is not None for p in self.phases]
+        if any(by_time) and not all(by_time):
+            raise ValueError("phases: give every phase a duration_s, or every phase a requests count")
         return self
 
 
 CONFIG_RE = re.compile(
-    r"^(orthrus|unified-hetero|unified-homo|dedicated-(\d+):(\d+)|disagg-pd(?:-(\d+):(\d+))?|unified:.+)$"
+    r"^(orthrus|unified-hetero|unified-homo|dedicated(?:-(\d+):(\d+))?|disagg-pd(?:-(\d+):(\d+))?|unified:.+)$"
 )
 
 
@@ -146,7 +160,7 @@ class Scenario(Strict):
         for name in v:
             if not CONFIG_RE.match(name):
                 raise ValueError(
-                    f"unknown configuration {name!r}; use dedicated-N:M, disagg-pd or disagg-pd-P:D, "
+                    f"unknown configuration {name!r}; use dedicated[-N:M], disagg-pd[-P:D], "
                     "unified-homo, unified-hetero, orthrus, or unified:<policy name or module:Class>"
                 )
             if name.startswith("unified:"):
@@ -164,26 +178,41 @@ class Scenario(Strict):
         if self.calibration and not Path(self.calibration).exists():
             raise ValueError(f"calibration: file {self.calibration} does not exist")
         w = self.workload
-        open_ended = w.kind != "trace" and w.arrival.process != "burst"
+        counted = bool(w.phases) and w.phases[0].requests is not None
+        open_ended = w.kind != "trace" and w.arrival.process != "burst" and not counted
         if open_ended and self.duration_s is None and self.num_requests is None:
             raise ValueError("give duration_s or num_requests: the workload never ends by itself")
-        gpus = self.cluster.gpus
+        if w.phases and w.phases[0].duration_s is not None and self.duration_s is None:
+            self.duration_s = sum(p.duration_s for p in w.phases)
         for name in self.configurations:
-            m = CONFIG_RE.match(name)
-            if m.group(2) is not None:
-                n, k = int(m.group(2)), int(m.group(3))
-                if n + k != gpus:
-                    raise ValueError(f"configuration {name!r} uses {n + k} GPUs but cluster.gpus is {gpus}")
-            if name.startswith("disagg-pd"):
-                p = int(m.group(4)) if m.group(4) else max(1, gpus // 2)
-                d = int(m.group(5)) if m.group(5) else gpus - p
-                if p < 1 or d < 1 or p + d != gpus:
-                    raise ValueError(f"configuration {name!r} needs prefill and decode GPUs adding up to "
-                                     f"cluster.gpus ({gpus}), at least one each")
+            split_gpus(name, self.cluster.gpus)
         if self.embedding.bidirectional and self.scheduler.chunk_size is not None:
             raise ValueError("embedding.bidirectional: a bidirectional embedder cannot be chunked "
                              "exactly; set scheduler.chunk_size: null (atomic embeddings)")
         return self
+
+
+def split_gpus(name: str, gpus: int) -> tuple[int, int] | None:
+    """GPUs of the two pools of a split configuration (embedding:generation for dedicated,
+    prefill:decode for disagg-pd); None for unified ones. Bare ``dedicated`` gives a quarter of
+    the GPUs (at least one) to embeddings, bare ``disagg-pd`` half to prefill."""
+    m = CONFIG_RE.match(name)
+    if name.startswith("dedicated"):
+        first, second = m.group(2), m.group(3)
+        auto = max(1, gpus // 4)
+    elif name.startswith("disagg-pd"):
+        first, second = m.group(4), m.group(5)
+        auto = max(1, gpus // 2)
+    else:
+        return None
+    a, b = (int(first), int(second)) if first is not None else (auto, gpus - auto)
+    if a + b != gpus:
+        raise ValueError(f"configuration {name!r} uses {a + b} GPUs but cluster.gpus is {gpus}")
+    if first is None and b < 1:
+        raise ValueError(f"configuration {name!r} needs at least 2 GPUs (cluster.gpus is {gpus})")
+    if name.startswith("disagg-pd") and (a < 1 or b < 1):
+        raise ValueError(f"configuration {name!r} needs at least one prefill and one decode GPU")
+    return a, b
 
 
 def _format(exc: ValidationError, source: str) -> str:
@@ -196,7 +225,8 @@ def _format(exc: ValidationError, source: str) -> str:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """``section.key=value`` overrides; the value is parsed as YAML (so lists and null work)."""
+    """``section.key=value`` overrides on a copy; the value is parsed as YAML (lists, null)."""
+    raw = copy.deepcopy(raw)
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected section.key=value")

@@ -50,7 +50,8 @@ def invariant_checker(scheduled_tokens: dict[str, int], first_seen: list):
     def check(policy, batch, now):
         cfg = policy.config
         assert batch.total_tokens <= cfg.token_budget
-        assert batch.num_seqs <= cfg.max_num_seqs
+        assert sum(1 for it in batch.items if not it.request.is_embedding) <= cfg.max_num_seqs
+        assert len(policy.running) <= cfg.max_num_seqs
         kinds = [it.kind for it in batch.items]
         assert kinds == sorted(kinds), "items not sorted by type"
         ids = [it.request.request_id for it in batch.items]

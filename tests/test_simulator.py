@@ -99,13 +99,14 @@ def test_dedicated_without_embedding_replicas_rejects_with_reason():
 
 
 def test_single_replica_matches_md1_queueing():
-    """Poisson arrivals, deterministic service, one request at a time: M/D/1."""
+    """Poisson arrivals, deterministic service, one request per iteration (the budget holds
+    exactly one): M/D/1."""
     rate, tokens = 30.0, 128
     service = A + B * tokens
     rho = rate * service
     raw = {
         "name": "md1", "seed": 3, "num_requests": 20000, "warmup_s": 20.0,
-        "scheduler": {"max_num_seqs": 1, "num_blocks": 1000},
+        "scheduler": {"token_budget": tokens, "chunk_size": tokens, "num_blocks": 1000},
         "workload": {"generation_share": 0.0, "arrival": {"process": "poisson", "rate": rate},
                      "embedding_input": {"dist": "fixed", "value": tokens}},
         "configurations": ["unified:embedding-only"],

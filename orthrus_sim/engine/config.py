@@ -14,7 +14,10 @@ class SchedulerConfig:
     token_budget: tokens per iteration (``B`` in the brief).
     chunk_size: most tokens of one embedding request per iteration (``C``); ``None`` means
         embeddings are atomic (one pass each), as a stock embedding server runs them.
-    max_num_seqs: most requests holding KV blocks at once (and items per batch).
+    max_num_seqs: most generation requests running (holding KV blocks) at once, vLLM's
+        decode-slot cap. Embedding requests are bounded by the budget and the KV cache only:
+        they hold blocks for a few iterations, and counting them against the decode slots
+        would let long decodes block embeddings (head-of-line blocking).
     block_size / num_blocks: the paged KV cache.
     waiting_work: how IBS counts a waiting generation request's remaining work: ``"prompt"``
         (prompt tokens only, the default) or ``"prompt+output"`` (plus its expected output).

@@ -196,7 +196,7 @@ class Policy:
 
     def _admit(self, request: Request, num_tokens: int, now: float) -> bool:
         """Reserve blocks for ``num_tokens`` tokens and mark running; False if they don't fit."""
-        if len(self.holding) >= self.config.max_num_seqs:
+        if not request.is_embedding and len(self.running) >= self.config.max_num_seqs:
             return False
         if not self.blocks.grow(request.request_id, num_tokens):
             return False
@@ -232,9 +232,6 @@ class Policy:
             self.running.remove(victim)
             self._enqueue_gen(victim)
 
-    def _batch_full(self, batch: BatchUnit) -> bool:
-        return batch.total_tokens >= batch.token_budget or batch.num_seqs >= self.config.max_num_seqs
-
     def _schedule_running(self, batch: BatchUnit) -> int:
         """Running generation requests first: decodes, then unfinished prefills (chunked).
 
@@ -243,7 +240,6 @@ class Policy:
         (This loop runs for every decode of every iteration, hence the inlined arithmetic.)
         """
         used = 0
-        cap = self.config.max_num_seqs
         budget = batch.token_budget
         block_size = self.blocks.block_size
         tables = self.blocks.tables
@@ -251,7 +247,7 @@ class Policy:
         for req in list(self.running):
             if req.state is not running:
                 continue  # preempted earlier in this loop
-            if batch.total_tokens >= budget or len(batch.items) >= cap:
+            if batch.total_tokens >= budget:
                 break
             seq_len = req.input_len + req.num_generated
             table = tables.get(req.request_id)
@@ -288,7 +284,7 @@ class Policy:
     def _schedule_embedding(self, batch: BatchUnit, now: float) -> int:
         """``schedule_one(Qe, B)``: one whole chunk of the earliest embedding, or 0."""
         req = self._next_embedding()
-        if req is None or batch.num_seqs >= self.config.max_num_seqs:
+        if req is None:
             return 0
         n = self._embed_chunk_len(req)
         if n > batch.budget_left:
@@ -302,7 +298,7 @@ class Policy:
 
     def _schedule_generation(self, batch: BatchUnit, now: float) -> int:
         """``schedule_one(Qg, B)``: admit the earliest waiting generation request, or 0."""
-        if not self.gen_queue or batch.num_seqs >= self.config.max_num_seqs:
+        if not self.gen_queue or len(self.running) >= self.config.max_num_seqs:
             return 0
         if batch.budget_left <= 0:
             return 0
@@ -371,13 +367,15 @@ class Policy:
         return steps
 
     def _admission_blocked(self, batch: BatchUnit) -> bool:
-        """True when no waiting request can be admitted for as long as the decodes run: the
-        sequence cap is reached, or every queue's head needs more KV blocks than are free
-        (decodes only ever take blocks, so that stays true)."""
-        if len(self.holding) >= self.config.max_num_seqs or batch.num_seqs >= self.config.max_num_seqs:
+        """True when no waiting request can join for as long as the decodes run: the decodes
+        fill the budget, or each queue's head is held back by the generation sequence cap or
+        needs more KV blocks than are free (decodes only ever take blocks, so that stays)."""
+        if batch.total_tokens >= batch.token_budget:
             return True
         free = self.blocks.num_free
-        if self.gen_queue and self.blocks.blocks_for(self.gen_queue[0].seq_len) <= free:
+        head = self.gen_queue[0] if self.gen_queue else None
+        if (head is not None and len(self.running) < self.config.max_num_seqs
+                and self.blocks.blocks_for(head.seq_len) <= free):
             return False
         head = next((r for r in self.embed_queue if r.state is RequestState.WAITING), None)
         return head is None or self.blocks.blocks_for(head.input_len) > free

@@ -20,7 +20,7 @@ from orthrus_sim.costmodel import (
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.registry import make_policy
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
-from orthrus_sim.scenario import CONFIG_RE, Scenario
+from orthrus_sim.scenario import Scenario, split_gpus
 from orthrus_sim.sim.replica import Replica
 
 
@@ -68,7 +68,6 @@ def plan_configuration(scenario: Scenario, name: str, cost_factory=None) -> list
                                waiting_work=sch.waiting_work,
                                max_model_len=base.max_position_embeddings)
 
-    m = CONFIG_RE.match(name)
     if name in ("orthrus", "unified-hetero", "unified-homo") or name.startswith("unified:"):
         policy = name.split(":", 1)[1] if name.startswith("unified:") else name
         if name == "orthrus" and sch.policy:
@@ -77,15 +76,15 @@ def plan_configuration(scenario: Scenario, name: str, cost_factory=None) -> list
         return [ReplicaPlan("unified", policy, cost(base, lora),
                             config(base, lora, sch.token_budget, chunk)) for _ in range(gpus)]
     gen_budget = sch.generation_token_budget or sch.token_budget
-    if m.group(2) is not None:  # dedicated-N:M
-        n_emb, n_gen = int(m.group(2)), int(m.group(3))
+    first, second = split_gpus(name, gpus)
+    if name.startswith("dedicated"):
+        n_emb, n_gen = first, second
         plans = [ReplicaPlan("embedding", "embedding-only", cost(emb_model, None),
                              config(emb_model, None, sch.token_budget, None)) for _ in range(n_emb)]
         plans += [ReplicaPlan("generation", "generation", cost(base, None),
                               config(base, None, gen_budget, None)) for _ in range(n_gen)]
         return plans
-    n_pre = int(m.group(4)) if m.group(4) else max(1, gpus // 2)
-    n_dec = gpus - n_pre
+    n_pre, n_dec = first, second
     plans = [ReplicaPlan("prefill", "prefill-only", cost(base, lora),
                          config(base, lora, sch.token_budget, None)) for _ in range(n_pre)]
     plans += [ReplicaPlan("decode", "decode-only", cost(base, None),

@@ -70,4 +70,27 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
         {"kv_transfers": cluster.kv_transfers, "kv_transfer_s": cluster.kv_transfer_s,
          "sim_end_s": end},
     )
-    return RunResult(configuration, metrics, [request_row(r) for r in driver.issued], timeline)
+    if scenario.workload.phases:
+        metrics["phases"] = phase_metrics(driver, scenario)
+    rows = [request_row(r) for r in driver.issued]
+    if driver.phase_of:
+        for row in rows:
+            row["phase"] = driver.phase_of.get(row["request_id"])
+    return RunResult(configuration, metrics, rows, timeline)
+
+
+def phase_metrics(driver: Driver, scenario: Scenario) -> list[dict]:
+    """Per phase: its mix, what was issued and finished, and when its last request finished."""
+    out = []
+    for i, phase in enumerate(scenario.workload.phases):
+        reqs = [r for r in driver.issued if driver.phase_of.get(r.request_id) == i]
+        done = [r for r in reqs if r.finished_at is not None and r.state.value == "finished"]
+        start = min((r.arrival_time for r in reqs), default=None)
+        end = max((r.finished_at for r in done), default=None)
+        out.append({
+            "phase": i, "generation_share": phase.generation_share, "issued": len(reqs),
+            "completed": len(done), "start_s": start,
+            "last_finish_s": end if len(done) == len(reqs) else None,
+            "completion_s": (end - start) if reqs and len(done) == len(reqs) else None,
+        })
+    return out

@@ -67,11 +67,17 @@ class Driver:
         self.outstanding = 0
         self.issuing_done = False
         self.all_done = env.event()
-        self._phase_ends = list(itertools.accumulate(p.duration_s for p in self.workload.phases))
+        phases = self.workload.phases
+        self._by_count = bool(phases) and phases[0].requests is not None
+        self._phase_ends = list(itertools.accumulate(
+            (p.requests if self._by_count else p.duration_s) for p in phases))
+        self.phase_of: dict[str, int] = {}
 
     # ----- bookkeeping -------------------------------------------------------------------
     def _may_start(self) -> bool:
         s = self.scenario
+        if self._by_count and self._units >= self._phase_ends[-1]:
+            return False
         if s.duration_s is not None and self.env.now >= s.duration_s:
             return False
         if s.num_requests is not None and self._units >= s.num_requests:
@@ -104,18 +110,25 @@ class Driver:
                       max_output_tokens=output_len if kind is GEN else 0,
                       pooling=self.scenario.embedding.pooling)
         req.payload = self.env.event()
+        if self.workload.phases:
+            self.phase_of[rid] = self.phase_index()
         self.issued.append(req)
         self.outstanding += 1
         self._submit(req)
         return req.payload
 
     # ----- what to send --------------------------------------------------------------------
+    def phase_index(self) -> int:
+        """The current phase: by simulated time, or by units of work started."""
+        position = self._units if self._by_count else self.env.now
+        for i, end in enumerate(self._phase_ends):
+            if position < end or (self._by_count and position == end):
+                return i
+        return len(self._phase_ends) - 1
+
     def generation_share(self) -> float:
-        for end, phase in zip(self._phase_ends, self.workload.phases):
-            if self.env.now < end:
-                return phase.generation_share
         if self.workload.phases:
-            return self.workload.phases[-1].generation_share
+            return self.workload.phases[self.phase_index()].generation_share
         return self.workload.generation_share
 
     def _synthetic(self, rng: np.random.Generator) -> simpy.Event:
