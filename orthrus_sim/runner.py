@@ -164,7 +164,8 @@ def run_sweep(raw: dict, overrides: list[str], grid: list[str], out: Path,
                 point["skipped"][cfg] = str(exc).splitlines()[-1].strip()
                 continue
             point["runs"].append(None)
-            tasks.append((raw, overrides + point_over, cfg, f"{label_base} {cfg}"))
+            tasks.append((raw, overrides + point_over + [f"configurations=[{cfg}]"], cfg,
+                          f"{label_base} {cfg}"))
     results = iter(run_tasks(tasks, workers))
     for point in points:
         point["runs"] = [

@@ -58,6 +58,7 @@ class Replica:
         self.adapter = getattr(cost, "lora", None) is not None
         self._wake: simpy.Event | None = None
         self._run: tuple | None = None  # a decode run in flight: batch, shape, start, ends
+        self._busy_since: float | None = None  # start of the iteration (or run) in flight
         self.outstanding_work = 0  # tokens routed here and not finished (least-work router)
         self._work: dict[str, int] = {}
         self.process = env.process(self.run())
@@ -78,7 +79,14 @@ class Replica:
             self.outstanding_work -= self._work.pop(req.request_id, 0)
             self.on_leave(req, self)
 
+    def busy_time(self) -> float:
+        """Seconds spent in iterations so far, counting the one in flight up to now."""
+        if self._busy_since is None:
+            return self.stats.busy_s
+        return self.stats.busy_s + (self.env.now - self._busy_since)
+
     def _account(self, shape: BatchShape, steps: int, seconds: float, flops: float) -> None:
+        self._busy_since = None
         s = self.stats
         s.iterations += steps
         s.busy_s += seconds
@@ -103,6 +111,7 @@ class Replica:
                 yield from self._decode_run(batch, shape, steps)
                 continue
             seconds = cost.shape_time(shape)
+            self._busy_since = env.now
             yield env.timeout(seconds)
             self._account(shape, 1, seconds, cost.shape_flops(shape))
             self._leave(policy.complete(batch, env.now))
@@ -118,6 +127,7 @@ class Replica:
             t += dt
             ends.append(t)
         self._run = (batch, shape, start, ends)
+        self._busy_since = start
         self._wake = env.event()
         timeout = env.timeout(_delay_to(start, ends[-1]))
         yield env.any_of([timeout, self._wake])

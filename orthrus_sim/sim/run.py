@@ -30,10 +30,11 @@ def _monitor(env: simpy.Environment, cluster: Cluster, interval: float, rows: li
         yield env.timeout(interval)
         row = {"time_s": env.now, "queue_length": cluster.queue_length()}
         for i, rep in enumerate(cluster.replicas):
-            row[f"busy_{i}"] = min(1.0, (rep.stats.busy_s - last_busy[i]) / interval)
+            busy = rep.busy_time()
+            row[f"busy_{i}"] = min(1.0, (busy - last_busy[i]) / interval)
             row[f"kv_usage_{i}"] = rep.policy.blocks.usage
             row[f"running_{i}"] = len(rep.policy.holding)
-            last_busy[i] = rep.stats.busy_s
+            last_busy[i] = busy
         rows.append(row)
         if progress is not None and horizon:
             progress(min(1.0, env.now / horizon))
