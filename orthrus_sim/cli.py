@@ -5,27 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
 
-from orthrus_sim.scenario import load_scenario
+from orthrus_sim.scenario import load_scenario, read_scenario
 
 app = typer.Typer(help="Orthrus discrete-event simulator.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 console = Console()
-
-
-def _raw(path: Path) -> dict:
-    if not path.exists():
-        raise ValueError(f"scenario file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: a scenario must be a YAML mapping")
-    return raw
 
 
 def _fail(exc: Exception) -> None:
@@ -45,7 +32,7 @@ def run(
 
     try:
         load_scenario(scenario, set_)  # validate before starting workers
-        run_scenario(_raw(scenario), set_, out, workers or None, console)
+        run_scenario(read_scenario(scenario), set_, out, workers or None, console)
     except ValueError as exc:
         _fail(exc)
 
@@ -63,7 +50,7 @@ def sweep(
 
     try:
         load_scenario(scenario, set_)
-        run_sweep(_raw(scenario), set_, grid, out, workers or None, console)
+        run_sweep(read_scenario(scenario), set_, grid, out, workers or None, console)
     except ValueError as exc:
         _fail(exc)
 

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orthrus_sim.engine.registry import resolve_policy
+from orthrus_sim.files import read_structured
 from orthrus_sim.sim.distributions import LengthDist, Uniform, fixed
 
 
@@ -251,12 +252,13 @@ def parse_scenario(raw: Any, source: str = "scenario", overrides: list[str] | No
         raise ValueError(_format(exc, source)) from None
 
 
+def read_scenario(path: str | Path) -> dict:
+    """The raw mapping of a scenario file (validated later, after any overrides)."""
+    raw = read_structured(path, "scenario file", yaml_format=True)
+    if not isinstance(raw, dict):
+        raise ValueError(f"scenario file {path}: a scenario must be a YAML mapping")
+    return raw
+
+
 def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"scenario file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({exc})") from None
-    return parse_scenario(raw, str(path), overrides)
+    return parse_scenario(read_scenario(path), str(path), overrides)

@@ -29,6 +29,7 @@ from orthrus_sim.costmodel.cost import CostModel
 from orthrus_sim.costmodel.hardware import Hardware
 from orthrus_sim.costmodel.operators import ATTENTION_OPS, ELEMENTWISE_OPS, LINEAR_OPS, OPERATORS
 from orthrus_sim.costmodel.shape import BatchShape
+from orthrus_sim.files import read_structured
 
 SCHEMA = "orthrus.calibration/1"
 
@@ -102,13 +103,7 @@ def _format_errors(path: str, exc: ValidationError) -> str:
 
 
 def load_calibration(path: str | Path) -> CalibrationFile:
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"calibration file {path} does not exist")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"calibration file {path} is not valid JSON ({exc})") from None
+    raw = read_structured(path, "calibration file")
     try:
         cal = CalibrationFile.model_validate(raw)
     except ValidationError as exc:

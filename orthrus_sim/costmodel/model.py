@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from orthrus_sim.files import read_structured
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -170,12 +171,7 @@ def get_model(name_or_path: str) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" or path.exists():
-        if not path.exists():
-            raise ValueError(f"model: {path} does not exist")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"model: {path} is not valid JSON ({exc})") from None
+        cfg = read_structured(path, "model: config file")
         return spec_from_config(cfg, path.parent.name or str(path), str(path))
     raise ValueError(
         f"model: unknown name {name_or_path!r}; known: {', '.join(sorted(MODEL_CONFIGS))}, "

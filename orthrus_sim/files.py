@@ -1,0 +1,27 @@
+"""Read a JSON or YAML file, with errors that name the file and what it was meant to be."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def read_structured(path: str | Path, what: str, yaml_format: bool | None = None) -> Any:
+    """Parse ``path`` as YAML (``yaml_format``, or by default a .yaml/.yml name) or JSON;
+    a ValueError names ``what`` and the file."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{what} {path} does not exist")
+    text = path.read_text()
+    if yaml_format or (yaml_format is None and path.suffix in (".yaml", ".yml")):
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{what} {path} is not valid YAML ({exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path} is not valid JSON ({exc})") from None
