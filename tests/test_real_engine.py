@@ -1,0 +1,230 @@
+"""The PyTorch engine against Hugging Face transformers, and its scheduling-independence."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from orthrus_real.engine import Engine, RequestRejected  # noqa: E402
+from orthrus_real.init_model import init_model  # noqa: E402
+from orthrus_real.model_files import read_adapter, read_config  # noqa: E402
+from orthrus_real.sampling import SamplingParams  # noqa: E402
+from orthrus_sim.engine import POLICIES, Request, RequestKind, SchedulerConfig, pool  # noqa: E402
+
+FAMILIES = ("llama", "mistral", "qwen2")
+MIXED_POLICIES = ("orthrus", "unified-hetero", "unified-homo")
+
+
+def hf_model(path, merge_adapter=False):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    if merge_adapter:
+        cfg = read_config(path)
+        adapter = read_adapter(path / "adapter", cfg.num_layers)
+        for (layer, module), (a, b) in adapter.weights.items():
+            group = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            lin = getattr(getattr(model.model.layers[layer], group), module)
+            lin.weight.data += (b.float() @ a.float()) * adapter.scaling
+    return model
+
+
+def prompt_ids(n, seed=0, vocab=500):
+    return [int(t) for t in np.random.default_rng(seed).integers(4, vocab, size=n)]
+
+
+def engine_hidden(engine, ids, kind):
+    """Final hidden states of one whole-prompt item (and the logits of every row)."""
+    req = Request("probe", kind, 0.0, len(ids), max_output_tokens=1 if kind is RequestKind.GENERATION else 0,
+                  token_ids=ids)
+    from orthrus_real.engine import _State
+
+    req.payload = _State(tokens=list(ids))
+    engine.policy.add(req)
+    batch = engine.policy.schedule()
+    hidden = engine.forward(batch)
+    engine.policy.abort("probe")
+    return hidden
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(tiny_models, family):
+    path = tiny_models[family]
+    engine = Engine(path, scheduler=SchedulerConfig(token_budget=512, chunk_size=512))
+    ids = prompt_ids(37)
+    ours = engine.model.logits(engine_hidden(engine, ids, RequestKind.GENERATION))
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_rows_match_transformers_with_merged_adapter(tiny_models, family):
+    path = tiny_models[family]
+    engine = Engine(path, adapter_dir=path / "adapter",
+                    scheduler=SchedulerConfig(token_budget=512, chunk_size=512))
+    ids = prompt_ids(29, seed=1)
+    ours = engine_hidden(engine, ids, RequestKind.EMBEDDING)
+    with torch.no_grad():
+        ref = hf_model(path, merge_adapter=True).model(torch.tensor([ids])).last_hidden_state[0]
+        plain = hf_model(path).model(torch.tensor([ids])).last_hidden_state[0]
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    assert (ours - plain).abs().max() > 1e-2  # the adapter really changes the output
+    # generation rows of the same engine do not get the adapter
+    gen = engine_hidden(engine, ids, RequestKind.GENERATION)
+    torch.testing.assert_close(gen, plain, atol=2e-5, rtol=1e-4)
+
+
+def greedy(engine, rid, ids, n=12):
+    engine.add_generation(rid, token_ids=ids, params=SamplingParams(max_tokens=n, temperature=0,
+                                                                    ignore_eos=True))
+
+
+def test_greedy_output_independent_of_batching(tiny_models):
+    path = tiny_models["llama"]
+    target = prompt_ids(40, seed=5)
+    alone = Engine(path)
+    greedy(alone, "t", target)
+    expected = alone.run_until_idle()["t"].token_ids
+    assert len(expected) == 12
+    for policy in MIXED_POLICIES:
+        eng = Engine(path, adapter_dir=path / "adapter", policy=policy,
+                     scheduler=SchedulerConfig(token_budget=48, chunk_size=16))
+        for i in range(3):
+            eng.add_embedding(f"e{i}", token_ids=prompt_ids(30 + 7 * i, seed=10 + i))
+            greedy(eng, f"g{i}", prompt_ids(20 + 5 * i, seed=20 + i), n=6 + i)
+        greedy(eng, "t", target)
+        eng.add_embedding("late", token_ids=prompt_ids(50, seed=99))
+        out = eng.run_until_idle()
+        assert out["t"].token_ids == expected, policy
+        assert eng.policy.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("head", ["mean", "weighted-mean", "cls", "last"])
+def test_chunked_embeddings_equal_single_pass(tiny_models, head):
+    path = tiny_models["qwen2"]
+    ids = [prompt_ids(n, seed=n) for n in (1, 15, 64, 97)]
+    with torch.no_grad():
+        ref_model = hf_model(path, merge_adapter=True)
+        refs = [pool(ref_model.model(torch.tensor([x])).last_hidden_state[0].numpy(), head, True)
+                for x in ids]
+    for chunk in (4, 16, 128):
+        for policy in ("orthrus", "unified-hetero", "unified-homo"):
+            eng = Engine(path, adapter_dir=path / "adapter", policy=policy,
+                         scheduler=SchedulerConfig(token_budget=128, chunk_size=chunk))
+            for i, x in enumerate(ids):
+                eng.add_embedding(f"e{i}", token_ids=x, pooling=head, normalize=True)
+                greedy(eng, f"g{i}", prompt_ids(9, seed=i), n=3)
+            out = eng.run_until_idle()
+            for i, ref in enumerate(refs):
+                np.testing.assert_allclose(out[f"e{i}"].embedding, ref, atol=2e-5, rtol=1e-4,
+                                           err_msg=f"{head} chunk={chunk} {policy}")
+
+
+def test_preemption_recomputes_and_abort_frees_blocks(tiny_models):
+    path = tiny_models["mistral"]
+    free = Engine(path)
+    for i in range(4):
+        greedy(free, f"g{i}", prompt_ids(30, seed=i), n=40)
+    expected = {k: v.token_ids for k, v in free.run_until_idle().items()}
+    tight = Engine(path, scheduler=SchedulerConfig(block_size=8, chunk_size=16), kv_cache_tokens=160)
+    for i in range(4):
+        greedy(tight, f"g{i}", prompt_ids(30, seed=i), n=40)
+    got = {k: v.token_ids for k, v in tight.run_until_idle().items()}
+    assert tight.policy.num_preemptions > 0
+    assert got == expected
+    assert tight.policy.blocks.num_used == 0
+    greedy(tight, "x", prompt_ids(30), n=40)
+    tight.add_embedding("y", token_ids=prompt_ids(60))
+    tight.step()
+    assert tight.policy.blocks.num_used > 0
+    assert tight.abort("x").finish_reason == "abort"
+    assert tight.abort("y") is not None
+    assert tight.policy.blocks.num_used == 0 and not tight.has_work
+
+
+def test_sampling_seed_stop_and_limits(tiny_models):
+    path = tiny_models["llama"]
+    eng = Engine(path)
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, top_p=0.9, seed=7,
+                            ignore_eos=True)
+    eng.add_generation("a", token_ids=prompt_ids(10), params=params)
+    eng.add_generation("b", token_ids=prompt_ids(10), params=params)
+    out = eng.run_until_idle()
+    assert out["a"].token_ids == out["b"].token_ids and out["a"].finish_reason == "length"
+    first = out["a"].token_ids[2]
+    eng.add_generation("c", token_ids=prompt_ids(10), params=SamplingParams(
+        max_tokens=10, temperature=0.9, top_k=50, top_p=0.9, seed=7, stop_token_ids=[first]))
+    c = eng.run_until_idle()["c"]
+    assert c.finish_reason == "stop" and c.token_ids[-1] == first and len(c.token_ids) <= 3
+    text = out["a"].text
+    if len(text) > 3:
+        stop = text[1:3]
+        eng.add_generation("d", token_ids=prompt_ids(10), params=SamplingParams(
+            max_tokens=10, temperature=0.9, top_k=50, top_p=0.9, seed=7, stop=[stop]))
+        d = eng.run_until_idle()["d"]
+        assert d.finish_reason == "stop" and stop not in d.text
+    for bad, field in ((dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
+                       (dict(top_p=0), "top_p")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
+
+
+def test_refusals_name_the_problem(tiny_models, tmp_path):
+    path = tiny_models["llama"]
+    eng = Engine(path)
+    with pytest.raises(RequestRejected, match="maximum length"):
+        eng.add_embedding("long", token_ids=[5] * 5000)
+    with pytest.raises(RequestRejected, match="max_tokens"):
+        eng.add_generation("long", token_ids=[5] * 4000, params=SamplingParams(max_tokens=200))
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_embedding("empty", token_ids=[])
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        eng.add_embedding("neg", token_ids=[-1])
+    bad = init_model(tmp_path / "bert", "llama", "tiny")
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["BertModel"]}))
+    with pytest.raises(ValueError, match="bidirectional"):
+        Engine(bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPTJForCausalLM"]}))
+    with pytest.raises(ValueError, match="unknown architecture 'GPTJForCausalLM'"):
+        Engine(bad)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="tokenizer.json is missing"):
+        Engine(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        Engine(tmp_path / "nowhere")
+    init_model(bad, "llama", "tiny")  # restore tokenizer and weights
+    for f in bad.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        Engine(bad)
+
+
+def test_sharded_weights_load_the_same(tmp_path):
+    one = init_model(tmp_path / "one", "qwen2", "tiny", seed=3)
+    three = init_model(tmp_path / "three", "qwen2", "tiny", seed=3, shards=3)
+    assert (three / "model.safetensors.index.json").exists()
+    outs = []
+    for path in (one, three):
+        eng = Engine(path)
+        greedy(eng, "g", prompt_ids(12), n=5)
+        outs.append(eng.run_until_idle()["g"].token_ids)
+    assert outs[0] == outs[1]
+
+
+def test_every_policy_name_runs_in_the_engine(tiny_models):
+    for name, cls in POLICIES.items():
+        if name in ("prefill-only", "decode-only"):
+            continue
+        eng = Engine(tiny_models["llama"], policy=name)
+        if RequestKind.EMBEDDING in cls.serves:
+            eng.add_embedding("e", token_ids=prompt_ids(20))
+        if RequestKind.GENERATION in cls.serves:
+            greedy(eng, "g", prompt_ids(20), n=3)
+        assert all(o.finished for o in eng.run_until_idle().values())
