@@ -31,7 +31,7 @@ class AttentionMetadata:
     chunks: list[ChunkPlan]
     decode_rows: slice  # contiguous rows of the decodes (sorted last)
     decode_slots: torch.Tensor | None  # (B, L) padded context slots
-    decode_mask: torch.Tensor | None  # (B, 1, 1, L) True where a slot is real
+    decode_bias: torch.Tensor | None  # (B, 1, 1, L) 0 where a slot is real, -inf on padding
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
@@ -64,45 +64,47 @@ def build_metadata(batch: BatchUnit, tables: dict[str, list[int]], block_size: i
                 mask = mask.to(device)
             chunks.append(ChunkPlan(rows, _slots(table, 0, item.end, block_size).to(device), mask))
         row += item.num_tokens
-    decode_slots = decode_mask = None
+    decode_slots = decode_bias = None
     if decode_items:
         longest = max(it.end for it, _ in decode_items)
         decode_slots = torch.zeros(len(decode_items), longest, dtype=torch.long)
-        decode_mask = torch.zeros(len(decode_items), 1, 1, longest, dtype=torch.bool)
+        decode_bias = torch.full((len(decode_items), 1, 1, longest), float("-inf"))
         for i, (it, table) in enumerate(decode_items):
             decode_slots[i, :it.end] = _slots(table, 0, it.end, block_size)
-            decode_mask[i, 0, 0, :it.end] = True
-        decode_slots, decode_mask = decode_slots.to(device), decode_mask.to(device)
+            decode_bias[i, 0, 0, :it.end] = 0.0
+        decode_slots, decode_bias = decode_slots.to(device), decode_bias.to(device)
     return AttentionMetadata(
         slot_mapping=torch.cat(slot_parts).to(device), positions=torch.cat(pos_parts).to(device),
         chunks=chunks,
         decode_rows=slice(decode_start, row) if decode_start is not None else slice(row, row),
-        decode_slots=decode_slots, decode_mask=decode_mask,
+        decode_slots=decode_slots, decode_bias=decode_bias,
     )
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q (T, H, D), k/v (T, KVH, D), caches (slots, KVH, D) -> (T, H, D)."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q (T, H, D), k/v (T, KVH, D), cache (slots, 2, KVH, D) -> (T, H, D)."""
+    cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), 1))
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    gqa = heads != kv_heads
     for chunk in meta.chunks:
+        kv = cache.index_select(0, chunk.slots)  # (ctx+n, 2, KVH, D)
         qc = q[chunk.rows].transpose(0, 1)  # (H, n, D)
-        kc = k_cache[chunk.slots].transpose(0, 1)  # (KVH, ctx+n, D)
-        vc = v_cache[chunk.slots].transpose(0, 1)
-        if chunk.mask is None:
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=scale,
-                                               enable_gqa=gqa)
+        kc, vc = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # (KVH, ctx+n, D)
+        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=scale,
+                                           is_causal=chunk.mask is None, enable_gqa=gqa)
         out[chunk.rows] = o.transpose(0, 1)
     if meta.decode_slots is not None:
-        qd = q[meta.decode_rows].unsqueeze(2)  # (B, H, 1, D)
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # (B, KVH, L, D)
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=gqa)
-        out[meta.decode_rows] = o.squeeze(2)
+        # All decodes at once: (B, KVH, G, D) queries against their padded contexts, matmuls in
+        # the model dtype, softmax in fp32 (SDPA with a mask is several times slower on CPU).
+        n = meta.decode_slots.shape[0]
+        qd = q[meta.decode_rows].view(n, kv_heads, heads // kv_heads, dim)
+        # index_select on the flat slot list is several times faster than fancy indexing
+        kv = cache.index_select(0, meta.decode_slots.view(-1)).view(n, -1, *cache.shape[1:])
+        kd = kv[:, :, 0].permute(0, 2, 3, 1)  # (B, KVH, D, L)
+        vd = kv[:, :, 1].transpose(1, 2)  # (B, KVH, L, D)
+        scores = torch.matmul(qd, kd).float() * scale + meta.decode_bias
+        probs = torch.softmax(scores, -1).to(q.dtype)
+        out[meta.decode_rows] = torch.matmul(probs, vd).reshape(n, heads, dim)
     return out

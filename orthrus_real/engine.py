@@ -114,9 +114,8 @@ class Engine:
             max_model_len=min(base.max_model_len or cfg.max_model_len, cfg.max_model_len))
         self.policy: Policy = make_policy(policy, self.scheduler_config)
         slots = num_blocks * block_size
-        self.caches = [
-            (torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device),
-             torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device))
+        self.caches = [  # per layer: (slot, K or V, kv head, head dim)
+            torch.zeros(slots, 2, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
             for _ in range(cfg.num_layers)
         ]
         self.stats: deque[IterationStats] = deque(maxlen=100_000)
