@@ -45,5 +45,50 @@ def init_model_cmd(
                     + (f" with a rank-{adapter_rank} adapter in {path / 'adapter'}" if adapter_rank else ""))
 
 
+@app.command()
+def serve(
+    model: Path = typer.Option(..., "--model", help="model directory (config.json, weights, tokenizer)"),
+    embedding_adapter: Path = typer.Option(None, "--embedding-adapter", help="PEFT LoRA adapter directory"),
+    policy: str = typer.Option("orthrus", help="policy name or module:Class"),
+    host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
+    port: int = typer.Option(8000),
+    token_budget: int = typer.Option(2048),
+    chunk_size: int = typer.Option(512),
+    max_num_seqs: int = typer.Option(256),
+    kv_cache_tokens: int = typer.Option(32768, help="KV-cache capacity in tokens"),
+    max_queued: int = typer.Option(1024, help="requests in flight before 429"),
+    max_body_bytes: int = typer.Option(1 << 20, help="larger request bodies get 413"),
+    served_model_name: str = typer.Option(None, help="model name clients use (default: dir name)"),
+    pooling: str = typer.Option("mean", help="default pooling head for /v1/embeddings"),
+    device: str = typer.Option(None, help="cpu or cuda (default: cuda when present)"),
+    dtype: str = typer.Option(None, help="float32 or bfloat16 (default: the model's)"),
+    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
+    backend: str = typer.Option("torch", help="torch (the PyTorch reference engine)"),
+) -> None:
+    """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine."""
+    from orthrus_real.serving import build
+    from orthrus_real.serving import serve as run_server
+    from orthrus_sim.engine import SchedulerConfig
+
+    if backend != "torch":
+        Console().print(f"[red]error:[/red] --backend {backend!r} is not available; this build "
+                        "has the PyTorch engine only ('torch')")
+        raise typer.Exit(2)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        sched = SchedulerConfig(token_budget=token_budget, chunk_size=chunk_size,
+                                max_num_seqs=max_num_seqs)
+        app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
+                             policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
+                             served_model_name, device, dtype, pooling)
+    except ValueError as exc:
+        Console().print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    run_server(app_, runner, host, port)
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,136 @@
+"""Run an Engine in its own thread; requests enter through a queue and their outputs come back
+through callbacks (the HTTP server turns them into asyncio queues)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from orthrus_real.engine import Engine, RequestOutput
+from orthrus_sim.engine import RequestState
+
+Sink = Callable[[Any], None]  # receives RequestOutput objects, or an Exception
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class Draining(RuntimeError):
+    pass
+
+
+class EngineThread:
+    def __init__(self, engine: Engine, max_queued: int = 1024,
+                 on_step: Callable[[Engine], None] | None = None) -> None:
+        self.engine = engine
+        self.max_queued = max_queued
+        self.on_step = on_step
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.sinks: dict[str, Sink] = {}
+        self.outstanding = 0  # accepted and not finished (read by the HTTP side)
+        self.draining = False
+        self.snapshot: dict = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="orthrus-engine", daemon=True)
+
+    def start(self) -> EngineThread:
+        self._publish()
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self.inbox.put(("wake",))
+        self.thread.join(timeout)
+
+    # ----- called from other threads ---------------------------------------------------------
+    def submit(self, kind: str, request_id: str, kwargs: dict, sink: Sink) -> None:
+        with self._lock:
+            if self.draining:
+                raise Draining("the server is shutting down and takes no new requests")
+            if self.outstanding >= self.max_queued:
+                raise QueueFull(f"the request queue is full ({self.outstanding} requests in flight, "
+                                f"limit {self.max_queued})")
+            self.outstanding += 1
+        self.inbox.put(("add", kind, request_id, kwargs, sink))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+
+    # ----- the engine thread -------------------------------------------------------------------
+    def _done(self, request_id: str) -> None:
+        self.sinks.pop(request_id, None)
+        with self._lock:
+            self.outstanding -= 1
+
+    def _handle(self, msg: tuple) -> None:
+        if msg[0] == "add":
+            _, kind, rid, kwargs, sink = msg
+            try:
+                if kind == "embedding":
+                    self.engine.add_embedding(rid, **kwargs)
+                else:
+                    self.engine.add_generation(rid, **kwargs)
+            except Exception as exc:  # rejected: tell the caller, nothing is in flight
+                with self._lock:
+                    self.outstanding -= 1
+                sink(exc)
+                return
+            self.sinks[rid] = sink
+        elif msg[0] == "abort":
+            rid = msg[1]
+            if rid in self.sinks:
+                out = self.engine.abort(rid)
+                sink = self.sinks.get(rid)
+                self._done(rid)
+                if out is not None and sink is not None:
+                    sink(out)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            try:
+                block = not engine.has_work
+                msg = self.inbox.get(block=block, timeout=0.5 if block else None)
+                self._handle(msg)
+                while True:
+                    self._handle(self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if not engine.has_work:
+                self._publish()
+                continue
+            outputs: list[RequestOutput] = engine.step()
+            for out in outputs:
+                sink = self.sinks.get(out.request_id)
+                if sink is not None:
+                    sink(out)
+                if out.finished:
+                    self._done(out.request_id)
+            if self.on_step is not None:
+                self.on_step(engine)
+            self._publish()
+
+    def _publish(self) -> None:
+        """A consistent picture of the engine for the metrics endpoint (read by other threads)."""
+        policy = self.engine.policy
+        depth = policy.queue_depth()
+        credits = getattr(policy, "credits", None)
+        self.snapshot = {
+            "time": time.time(),
+            "queue": depth,
+            "kv_blocks_used": policy.blocks.num_used,
+            "kv_blocks_total": policy.blocks.num_blocks,
+            "counters": dict(self.engine.counters),
+            "iterations": self.engine.iterations,
+            "credits": None if credits is None else {"embedding": credits.embed,
+                                                     "generation": credits.gen},
+            "outstanding": self.outstanding,
+            "running_requests": sum(1 for r in policy.requests.values()
+                                    if r.state is RequestState.RUNNING),
+        }

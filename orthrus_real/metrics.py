@@ -1,0 +1,80 @@
+"""Prometheus metrics of a serving engine (scraped at GET /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from orthrus_real.engine import Engine
+
+
+class EngineMetrics:
+    """Histograms fed after every iteration; gauges and request counters read at scrape time
+    from the engine thread's published snapshot (so the HTTP thread never walks live state)."""
+
+    def __init__(self, snapshot_source) -> None:
+        self.registry = CollectorRegistry()
+        self.source = snapshot_source
+        self.iteration_seconds = Histogram(
+            "orthrus_iteration_seconds", "Time of one forward pass and emit stage",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry)
+        self.batch_tokens = Histogram(
+            "orthrus_batch_tokens", "Tokens in one batch unit",
+            buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192), registry=self.registry)
+        self.budget_fill = Histogram(
+            "orthrus_budget_fill", "Fraction of the token budget one batch used",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=self.registry)
+        self._tokens = {"embed_chunk": 0, "prefill_chunk": 0, "decode": 0}
+        self.registry.register(self)
+
+    def on_step(self, engine: Engine) -> None:
+        s = engine.stats[-1]
+        self.iteration_seconds.observe(s.seconds)
+        self.batch_tokens.observe(s.total_tokens)
+        self.budget_fill.observe(s.total_tokens / s.token_budget)
+        self._tokens["embed_chunk"] += s.embed_tokens
+        self._tokens["prefill_chunk"] += s.prefill_tokens
+        self._tokens["decode"] += s.decodes
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        snap = self.source()
+        q = snap.get("queue", {})
+        depth = GaugeMetricFamily("orthrus_queue_depth", "Requests waiting for admission", labels=["kind"])
+        depth.add_metric(["embedding"], q.get("embedding_waiting", 0))
+        depth.add_metric(["generation"], q.get("generation_waiting", 0))
+        yield depth
+        running = GaugeMetricFamily("orthrus_running", "Requests holding KV blocks", labels=["kind"])
+        running.add_metric(["embedding"], q.get("embedding_running", 0))
+        running.add_metric(["generation"], q.get("generation_running", 0))
+        yield running
+        used, total = snap.get("kv_blocks_used", 0), snap.get("kv_blocks_total", 1)
+        yield GaugeMetricFamily("orthrus_kv_blocks_used", "KV-cache blocks allocated", value=used)
+        yield GaugeMetricFamily("orthrus_kv_blocks_total", "KV-cache blocks in the pool", value=total)
+        yield GaugeMetricFamily("orthrus_kv_cache_usage", "Fraction of KV blocks allocated",
+                                value=used / max(total, 1))
+        credits = snap.get("credits")
+        if credits is not None:
+            g = GaugeMetricFamily("orthrus_ibs_credits", "IBS credits (persist across iterations)",
+                                  labels=["queue"])
+            for k, v in credits.items():
+                g.add_metric([k], v)
+            yield g
+        tokens = CounterMetricFamily("orthrus_batch_tokens_by_type", "Tokens scheduled, by item type",
+                                     labels=["type"])
+        for k, v in self._tokens.items():
+            tokens.add_metric([k], v)
+        yield tokens
+        reqs = CounterMetricFamily("orthrus_requests", "Requests that ended, by kind and outcome",
+                                   labels=["kind", "outcome"])
+        for key, v in snap.get("counters", {}).items():
+            kind, outcome = key.split("_", 1)
+            reqs.add_metric([kind, outcome], v)
+        yield reqs
+        yield CounterMetricFamily("orthrus_iterations", "Forward passes run",
+                                  value=snap.get("iterations", 0))
+        yield GaugeMetricFamily("orthrus_requests_in_flight", "Requests accepted and not finished",
+                                value=snap.get("outstanding", 0))

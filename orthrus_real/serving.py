@@ -1,0 +1,48 @@
+"""Assemble engine, engine thread, metrics and HTTP app; run them under uvicorn."""
+
+from __future__ import annotations
+
+import socket
+
+import uvicorn
+
+from orthrus_real.engine import Engine
+from orthrus_real.engine_thread import EngineThread
+from orthrus_real.metrics import EngineMetrics
+from orthrus_real.server import create_app
+
+
+def build(model: str, adapter: str | None = None, policy: str = "orthrus", scheduler=None,
+          kv_cache_tokens: int = 32768, max_queued: int = 1024, max_body_bytes: int = 1 << 20,
+          served_model_name: str | None = None, device: str | None = None, dtype: str | None = None,
+          pooling: str = "mean"):
+    engine = Engine(model, adapter_dir=adapter, policy=policy, scheduler=scheduler, device=device,
+                    dtype=dtype, kv_cache_tokens=kv_cache_tokens)
+    runner = EngineThread(engine, max_queued=max_queued)
+    metrics = EngineMetrics(lambda: runner.snapshot)
+    runner.on_step = metrics.on_step
+    name = served_model_name or engine.model_dir.name
+    app = create_app(runner, name, metrics, max_body_bytes, default_pooling=pooling)
+    return app, runner
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: refuse new requests (503), let in-flight ones finish, then exit."""
+
+    def __init__(self, config: uvicorn.Config, runner: EngineThread) -> None:
+        super().__init__(config)
+        self.runner = runner
+
+    def handle_exit(self, sig, frame) -> None:
+        self.runner.draining = True
+        super().handle_exit(sig, frame)
+
+
+def serve(app, runner: EngineThread, host: str = "127.0.0.1", port: int = 8000,
+          sock: socket.socket | None = None, log_level: str = "info",
+          graceful_timeout: float = 300.0) -> None:
+    runner.start()
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=graceful_timeout)
+    server = DrainingServer(config, runner)
+    server.run(sockets=[sock] if sock is not None else None)
