@@ -90,5 +90,39 @@ def serve(
     run_server(app_, runner, host, port)
 
 
+@app.command()
+def bench(
+    scenario: Path = typer.Argument(..., help="scenario YAML (its workload section drives the load)"),
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="server base URL"),
+    out: Path = typer.Option(Path("out/bench"), "--out", help="directory for results.json"),
+    set_: list[str] = typer.Option([], "--set", help="override a scenario field: section.key=value"),
+    label: str = typer.Option("measured", help="configuration name in results.json"),
+    token_range: int = typer.Option(500, help="prompts use random token ids in [4, N)"),
+) -> None:
+    """Load-test a live server with a scenario's workload; results in the simulator's schema."""
+    import asyncio
+
+    from orthrus_real.bench import bench as run_bench
+    from orthrus_real.bench import write_results
+    from orthrus_sim.runner import comparison_table
+    from orthrus_sim.scenario import load_scenario
+
+    console = Console()
+    try:
+        sc = load_scenario(scenario, set_)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    with console.status(f"running {sc.name} against {url} ..."):
+        try:
+            doc = asyncio.run(run_bench(url, sc, label, token_range))
+        except Exception as exc:  # connection refused, server gone: say so plainly
+            console.print(f"[red]error:[/red] bench against {url} failed: {exc}")
+            raise typer.Exit(1) from None
+    path = write_results(doc, out)
+    console.print(comparison_table(doc["runs"], f"{sc.name} against {url}"))
+    console.print(f"results: {path}")
+
+
 if __name__ == "__main__":
     app()

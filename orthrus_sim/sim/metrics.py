@@ -33,9 +33,9 @@ def request_row(req: Request, replica_of: dict[str, int] | None = None) -> dict:
     }
 
 
-def compute_metrics(issued: list[Request], workflows: list, replicas: list, start: float,
-                    end: float, peak_flops: float, sim_wall_s: float, extra: dict) -> dict:
-    """Metrics over the window [start, end]: requests finishing inside it count."""
+def request_metrics(issued: list[Request], workflows: list, start: float, end: float) -> dict:
+    """Throughput, latency and request counts over the window [start, end]: a request counts
+    when it finished inside it. Shared by the simulator and the live load generator."""
     window = max(end - start, 1e-12)
     lat = {"embedding": [], "generation": [], "ttft": [], "tpot": []}
     completed = {"embedding": 0, "generation": 0}
@@ -66,6 +66,20 @@ def compute_metrics(issued: list[Request], workflows: list, replicas: list, star
         latency["workflow"] = summary([w.end - w.start for w in flows_done])
         completed["workflow"] = len(flows_done)
         unfinished["workflow"] = sum(1 for w in workflows if w.end is None or w.end > end + 1e-9)
+    return {
+        "throughput_rps": throughput,
+        "latency_s": latency,
+        "completed": completed,
+        "unfinished": unfinished,
+        "rejected": rejected,
+        "issued": {"embedding": sum(1 for r in issued if r.kind is RequestKind.EMBEDDING),
+                   "generation": sum(1 for r in issued if r.kind is RequestKind.GENERATION)},
+        "window_s": [start, end],
+    }
+
+
+def replica_metrics(replicas: list, end: float, peak_flops: float) -> dict:
+    """Utilisation, budget fill, iterations and preemptions of simulated replicas."""
     elapsed = max(end, 1e-12)
     per_gpu = [{"replica": rep.index, "role": rep.role, "policy": rep.policy.name,
                 "busy": rep.stats.busy_s / elapsed,
@@ -77,22 +91,19 @@ def compute_metrics(issued: list[Request], workflows: list, replicas: list, star
                for rep in replicas]
     iterations = sum(rep.stats.iterations for rep in replicas)
     return {
-        "throughput_rps": throughput,
-        "latency_s": latency,
         "utilization": {
             "busy": float(np.mean([g["busy"] for g in per_gpu])),
             "compute": float(np.mean([g["compute"] for g in per_gpu])),
             "per_gpu": per_gpu,
         },
         "budget_fill": sum(rep.stats.budget_fill_sum for rep in replicas) / max(iterations, 1),
-        "completed": completed,
-        "unfinished": unfinished,
-        "rejected": rejected,
-        "issued": {"embedding": sum(1 for r in issued if r.kind is RequestKind.EMBEDDING),
-                   "generation": sum(1 for r in issued if r.kind is RequestKind.GENERATION)},
         "iterations": iterations,
         "preemptions": sum(rep.policy.num_preemptions for rep in replicas),
-        "window_s": [start, end],
-        "sim_wall_s": sim_wall_s,
-        **extra,
     }
+
+
+def compute_metrics(issued: list[Request], workflows: list, replicas: list, start: float,
+                    end: float, peak_flops: float, sim_wall_s: float, extra: dict) -> dict:
+    """The full metrics of one simulated configuration (docs/results.md)."""
+    return {**request_metrics(issued, workflows, start, end),
+            **replica_metrics(replicas, end, peak_flops), "sim_wall_s": sim_wall_s, **extra}

@@ -52,6 +52,44 @@ def load_trace(path: str) -> list[dict]:
     return sorted(out, key=lambda r: r["arrival_time"])
 
 
+class Phases:
+    """The workload's phases: which one is current, by simulated time or by units of work
+    started, and the generation share it sets. Shared with the live load generator."""
+
+    def __init__(self, workload) -> None:
+        self.workload = workload
+        phases = workload.phases
+        self.by_count = bool(phases) and phases[0].requests is not None
+        self.ends = list(itertools.accumulate(
+            (p.requests if self.by_count else p.duration_s) for p in phases))
+
+    def __bool__(self) -> bool:
+        return bool(self.ends)
+
+    def index(self, now: float, units: int) -> int:
+        position = units if self.by_count else now
+        for i, end in enumerate(self.ends):
+            if position < end or (self.by_count and position == end):
+                return i
+        return len(self.ends) - 1
+
+    def generation_share(self, now: float, units: int) -> float:
+        if not self.ends:
+            return self.workload.generation_share
+        return self.workload.phases[self.index(now, units)].generation_share
+
+    def exhausted(self, units: int) -> bool:
+        """Count-based phases end the workload once their requests have all started."""
+        return self.by_count and units >= self.ends[-1]
+
+
+def sample_synthetic(workload, rng: np.random.Generator, share: float) -> tuple[RequestKind, int, int]:
+    """Kind, input tokens and output tokens of one synthetic request."""
+    if rng.random() < share:
+        return GEN, workload.generation_prompt.sample(rng), workload.generation_output.sample(rng)
+    return EMB, workload.embedding_input.sample(rng), 0
+
+
 class Driver:
     """Issues the scenario's requests into a cluster and tracks what is outstanding."""
 
@@ -67,16 +105,13 @@ class Driver:
         self.outstanding = 0
         self.issuing_done = False
         self.all_done = env.event()
-        phases = self.workload.phases
-        self._by_count = bool(phases) and phases[0].requests is not None
-        self._phase_ends = list(itertools.accumulate(
-            (p.requests if self._by_count else p.duration_s) for p in phases))
+        self.phases = Phases(self.workload)
         self.phase_of: dict[str, int] = {}
 
     # ----- bookkeeping -------------------------------------------------------------------
     def _may_start(self) -> bool:
         s = self.scenario
-        if self._by_count and self._units >= self._phase_ends[-1]:
+        if self.phases.exhausted(self._units):
             return False
         if s.duration_s is not None and self.env.now >= s.duration_s:
             return False
@@ -110,32 +145,17 @@ class Driver:
                       max_output_tokens=output_len if kind is GEN else 0,
                       pooling=self.scenario.embedding.pooling)
         req.payload = self.env.event()
-        if self.workload.phases:
-            self.phase_of[rid] = self.phase_index()
+        if self.phases:
+            self.phase_of[rid] = self.phases.index(self.env.now, self._units)
         self.issued.append(req)
         self.outstanding += 1
         self._submit(req)
         return req.payload
 
     # ----- what to send --------------------------------------------------------------------
-    def phase_index(self) -> int:
-        """The current phase: by simulated time, or by units of work started."""
-        position = self._units if self._by_count else self.env.now
-        for i, end in enumerate(self._phase_ends):
-            if position < end or (self._by_count and position == end):
-                return i
-        return len(self._phase_ends) - 1
-
-    def generation_share(self) -> float:
-        if self.workload.phases:
-            return self.workload.phases[self.phase_index()].generation_share
-        return self.workload.generation_share
-
     def _synthetic(self, rng: np.random.Generator) -> simpy.Event:
-        w = self.workload
-        if rng.random() < self.generation_share():
-            return self.submit(GEN, w.generation_prompt.sample(rng), w.generation_output.sample(rng))
-        return self.submit(EMB, w.embedding_input.sample(rng), 0)
+        share = self.phases.generation_share(self.env.now, self._units)
+        return self.submit(*sample_synthetic(self.workload, rng, share))
 
     def _workflow(self, rng: np.random.Generator):
         cfg = self.workload.iter_retgen

@@ -1,0 +1,299 @@
+"""``orthrus-real bench``: drive a live server with a scenario's ``workload`` section and write
+``results.json`` in the simulator's schema (``orthrus.results/1``).
+
+Generation requests stream (``stream: true``, ``ignore_eos: true`` so outputs have the sampled
+length) to measure time to first token; prompts and inputs are token arrays of the sampled
+lengths. For Iter-RetGen workflows, retrieval is real: a generated corpus is embedded through
+the server before the clock starts, and each iteration's query embedding is searched with numpy
+cosine top-k; retrieval time is reported separately (``retrieval_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from orthrus_sim.engine.request import Request, RequestKind, RequestState
+from orthrus_sim.scenario import Scenario
+from orthrus_sim.sim.metrics import request_metrics, summary
+from orthrus_sim.sim.workload import EMB, GEN, Phases, Workflow, load_trace, sample_synthetic
+
+SCHEMA = "orthrus.results/1"
+
+
+class LiveDriver:
+    def __init__(self, client: httpx.AsyncClient, scenario: Scenario, model: str,
+                 token_range: int) -> None:
+        self.client = client
+        self.scenario = scenario
+        self.workload = scenario.workload
+        self.model = model
+        self.token_range = token_range
+        self.phases = Phases(self.workload)
+        self.issued: list[Request] = []
+        self.workflows: list[Workflow] = []
+        self.retrieval_s: list[float] = []
+        self.units = 0
+        self.t0 = time.monotonic()
+        self.index: np.ndarray | None = None
+        self.corpus: list[list[int]] = []
+        self._ids = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def may_start(self) -> bool:
+        s = self.scenario
+        if s.duration_s is not None and self.now() >= s.duration_s:
+            return False
+        if s.num_requests is not None and self.units >= s.num_requests:
+            return False
+        return not self.phases.exhausted(self.units)
+
+    def tokens(self, rng: np.random.Generator, n: int) -> list[int]:
+        return [int(t) for t in rng.integers(4, self.token_range, size=n)]
+
+    def _request(self, kind: RequestKind, n_in: int, n_out: int) -> Request:
+        self._ids += 1
+        req = Request(f"{'e' if kind is EMB else 'g'}{self._ids}", kind, self.now(), n_in,
+                      max_output_tokens=n_out if kind is GEN else 0)
+        self.issued.append(req)
+        return req
+
+    @staticmethod
+    def _reject(req: Request, response: httpx.Response) -> None:
+        try:
+            reason = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            reason = response.text[:200]
+        req.reject(f"HTTP {response.status_code}: {reason}")
+
+    async def embed(self, ids: list[int]) -> tuple[Request, list[float] | None]:
+        req = self._request(EMB, len(ids), 0)
+        r = await self.client.post("/v1/embeddings", json={"model": self.model, "input": ids})
+        if r.status_code != 200:
+            self._reject(req, r)
+            return req, None
+        req.transition(RequestState.RUNNING)
+        req.transition(RequestState.FINISHED)
+        req.finished_at = self.now()
+        return req, r.json()["data"][0]["embedding"]
+
+    async def generate(self, ids: list[int], n_out: int) -> Request:
+        req = self._request(GEN, len(ids), n_out)
+        body = {"model": self.model, "prompt": ids, "max_tokens": n_out, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        async with self.client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                self._reject(req, r)
+                return req
+            req.transition(RequestState.RUNNING)
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if req.first_token_at is None:
+                    req.first_token_at = self.now()
+                req.num_generated += 1
+        req.transition(RequestState.FINISHED)
+        req.finished_at = self.now()
+        return req
+
+    # ----- units of work -------------------------------------------------------------------
+    async def synthetic(self, rng: np.random.Generator) -> None:
+        share = self.phases.generation_share(self.now(), self.units)
+        kind, n_in, n_out = sample_synthetic(self.workload, rng, share)
+        if kind is GEN:
+            await self.generate(self.tokens(rng, n_in), n_out)
+        else:
+            await self.embed(self.tokens(rng, n_in))
+
+    async def build_index(self, rng: np.random.Generator, size: int) -> None:
+        cfg = self.workload.iter_retgen
+        self.corpus = [self.tokens(rng, cfg.doc_tokens.sample(rng)) for _ in range(size)]
+        vectors = []
+        for lo in range(0, size, 32):
+            r = await self.client.post("/v1/embeddings", json={"model": self.model,
+                                                               "input": self.corpus[lo:lo + 32]})
+            r.raise_for_status()
+            vectors += [d["embedding"] for d in r.json()["data"]]
+        m = np.asarray(vectors, dtype=np.float32)
+        self.index = m / np.linalg.norm(m, axis=1, keepdims=True)
+
+    def retrieve(self, query: list[float], k: int) -> list[int]:
+        start = time.perf_counter()
+        q = np.asarray(query, dtype=np.float32)
+        scores = self.index @ (q / np.linalg.norm(q))
+        top = np.argsort(-scores)[:k]
+        docs = [t for i in top for t in self.corpus[i]]
+        self.retrieval_s.append(time.perf_counter() - start)
+        return docs
+
+    async def workflow(self, rng: np.random.Generator) -> None:
+        cfg = self.workload.iter_retgen
+        flow = Workflow(len(self.workflows), self.now())
+        self.workflows.append(flow)
+        question = self.tokens(rng, cfg.question_tokens.sample(rng))
+        answer: list[int] = []
+        for _ in range(cfg.iterations):
+            emb, vec = await self.embed(question + answer)
+            if vec is None:
+                return
+            docs = self.retrieve(vec, cfg.docs_per_query.sample(rng))
+            prompt = docs + question
+            if cfg.max_prompt_tokens:
+                prompt = prompt[-cfg.max_prompt_tokens:]
+            gen = await self.generate(prompt, cfg.output_tokens.sample(rng))
+            if gen.state is not RequestState.FINISHED:
+                return
+            answer = self.tokens(rng, gen.num_generated)
+            flow.iterations_done += 1
+        flow.end = self.now()
+
+    async def one(self, rng: np.random.Generator) -> None:
+        if self.workload.kind == "iter-retgen":
+            await self.workflow(rng)
+        else:
+            await self.synthetic(rng)
+
+    # ----- arrival processes ---------------------------------------------------------------
+    async def prepare(self) -> None:
+        """Work before the clock starts: the retrieval index of an Iter-RetGen workload."""
+        if self.workload.kind == "iter-retgen":
+            await self.build_index(np.random.default_rng([self.scenario.seed, 9]), 256)
+
+    async def run(self) -> float:
+        w, a, seed = self.workload, self.workload.arrival, self.scenario.seed
+        self.t0 = time.monotonic()
+        tasks: list[asyncio.Task] = []
+        if w.kind == "trace":
+            tasks.append(asyncio.create_task(self._replay(load_trace(w.trace), tasks)))
+        elif a.process == "closed-loop":
+            tasks += [asyncio.create_task(self._client(np.random.default_rng([seed, 1, c])))
+                      for c in range(a.clients)]
+        elif a.process == "burst":
+            rng = np.random.default_rng([seed, 2])
+            if w.kind == "iter-retgen":
+                for i in range(self.scenario.num_requests or a.clients):
+                    self.units += 1
+                    tasks.append(asyncio.create_task(self.one(np.random.default_rng([seed, 4, i]))))
+            else:
+                for group in w.burst:
+                    for _ in range(group.count):
+                        self.units += 1
+                        kind = GEN if group.kind == "generation" else EMB
+                        if kind is GEN:
+                            coro = self.generate(self.tokens(rng, w.generation_prompt.sample(rng)),
+                                                 w.generation_output.sample(rng))
+                        else:
+                            coro = self.embed(self.tokens(rng, w.embedding_input.sample(rng)))
+                        tasks.append(asyncio.create_task(coro))
+        else:
+            tasks.append(asyncio.create_task(self._open_loop(np.random.default_rng([seed, 3]), tasks)))
+        if self.scenario.duration_s is not None:
+            await asyncio.sleep(max(0.0, self.scenario.duration_s - self.now()))
+            end = self.scenario.duration_s
+            for t in tasks:
+                t.cancel()  # what is still in flight is reported unfinished
+        else:
+            while not all(t.done() for t in tasks):
+                await asyncio.gather(*[t for t in tasks if not t.done()], return_exceptions=True)
+            end = self.now()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return end
+
+    async def _client(self, rng: np.random.Generator) -> None:
+        think = self.workload.arrival.think_time_s
+        while self.may_start():
+            self.units += 1
+            await self.one(rng)
+            if think:
+                await asyncio.sleep(rng.exponential(think))
+
+    async def _open_loop(self, rng: np.random.Generator, tasks: list) -> None:
+        a = self.workload.arrival
+        while True:
+            if a.process == "poisson":
+                gap = rng.exponential(1.0 / a.rate)
+            else:
+                shape = 1.0 / a.cv**2
+                gap = rng.gamma(shape, 1.0 / (a.rate * shape))
+            await asyncio.sleep(gap)
+            if not self.may_start():
+                return
+            self.units += 1
+            tasks.append(asyncio.create_task(
+                self.one(np.random.default_rng([self.scenario.seed, 4, self.units]))))
+
+    async def _replay(self, rows: list[dict], tasks: list) -> None:
+        rng = np.random.default_rng([self.scenario.seed, 5])
+        for row in rows:
+            delay = row["arrival_time"] - self.now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if not self.may_start():
+                return
+            self.units += 1
+            ids = self.tokens(rng, row["input_tokens"])
+            coro = (self.generate(ids, row["output_tokens"]) if row["kind"] == "generation"
+                    else self.embed(ids))
+            tasks.append(asyncio.create_task(coro))
+
+
+def _prometheus(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) ([0-9.eE+-]+|NaN)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+async def bench(url: str, scenario: Scenario, label: str = "measured", token_range: int = 500,
+                max_connections: int = 1024) -> dict:
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        models = (await client.get("/v1/models")).json()["data"]
+        model = models[0]["id"]
+        driver = LiveDriver(client, scenario, model, token_range)
+        await driver.prepare()
+        before = _prometheus((await client.get("/metrics")).text)
+        wall = time.perf_counter()
+        end = await driver.run()
+        wall = time.perf_counter() - wall
+        await asyncio.sleep(0.3)  # let the server notice cancelled streams
+        after = _prometheus((await client.get("/metrics")).text)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    start = min(scenario.warmup_s, end)
+    metrics = request_metrics(driver.issued, driver.workflows, start, end)
+    busy_s = delta("orthrus_iteration_seconds_sum")
+    iterations = delta("orthrus_iteration_seconds_count")
+    metrics.update({
+        "utilization": {"busy": busy_s / max(end, 1e-12), "compute": None,
+                        "per_gpu": [{"replica": 0, "role": "unified", "busy": busy_s / max(end, 1e-12),
+                                     "iterations": iterations}]},
+        "budget_fill": delta("orthrus_budget_fill_sum") / max(delta("orthrus_budget_fill_count"), 1),
+        "iterations": int(iterations),
+        "preemptions": None,
+        "retrieval_s": summary(driver.retrieval_s) if driver.retrieval_s else None,
+        "sim_end_s": end,
+        "wall_s": wall,
+    })
+    return {"schema": SCHEMA, "scenario": scenario.model_dump(mode="json", by_alias=True),
+            "runs": [{"configuration": label, "metrics": metrics}]}
+
+
+def write_results(doc: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
