@@ -27,13 +27,94 @@ from orthrus_sim.sim.workload import EMB, GEN, Phases, Workflow, load_trace, sam
 SCHEMA = "orthrus.results/1"
 
 
+class Rejected(Exception):
+    """The server (or engine) refused a request; the message is its reason."""
+
+
+class HttpTransport:
+    """Requests over the OpenAI-compatible HTTP API of a running server."""
+
+    def __init__(self, client: httpx.AsyncClient, model: str) -> None:
+        self.client, self.model = client, model
+
+    @staticmethod
+    def _reason(response: httpx.Response) -> str:
+        try:
+            reason = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            reason = response.text[:200]
+        return f"HTTP {response.status_code}: {reason}"
+
+    async def embed(self, batch: list[list[int]]) -> list[list[float]]:
+        r = await self.client.post("/v1/embeddings", json={"model": self.model, "input": batch})
+        if r.status_code != 200:
+            raise Rejected(self._reason(r))
+        return [d["embedding"] for d in r.json()["data"]]
+
+    async def generate(self, ids: list[int], n_out: int, on_token) -> None:
+        body = {"model": self.model, "prompt": ids, "max_tokens": n_out, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        async with self.client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise Rejected(self._reason(r))
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    on_token()
+
+
+class EngineTransport:
+    """Requests straight into an in-process engine thread (no HTTP): what the simulator models."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self._ids = 0
+
+    async def _submit(self, kind: str, kwargs: dict):
+        self._ids += 1
+        q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        rid = f"{kind[0]}{self._ids}"
+        try:
+            self.runner.submit(kind, rid, kwargs, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        except RuntimeError as exc:
+            raise Rejected(str(exc)) from None
+        return rid, q
+
+    async def _next(self, rid: str, q: asyncio.Queue):
+        try:
+            item = await q.get()
+        except asyncio.CancelledError:
+            self.runner.abort(rid)
+            raise
+        if isinstance(item, Exception):
+            raise Rejected(str(item))
+        return item
+
+    async def embed(self, batch: list[list[int]]) -> list[list[float]]:
+        out = []
+        for ids in batch:
+            rid, q = await self._submit("embedding", {"token_ids": ids})
+            out.append((await self._next(rid, q)).embedding)
+        return out
+
+    async def generate(self, ids: list[int], n_out: int, on_token) -> None:
+        from orthrus_real.sampling import SamplingParams
+
+        rid, q = await self._submit("generation", {"token_ids": ids, "params": SamplingParams(
+            max_tokens=n_out, temperature=0, ignore_eos=True)})
+        while True:
+            item = await self._next(rid, q)
+            on_token()
+            if item.finished:
+                return
+
+
 class LiveDriver:
-    def __init__(self, client: httpx.AsyncClient, scenario: Scenario, model: str,
-                 token_range: int) -> None:
-        self.client = client
+    def __init__(self, transport, scenario: Scenario, token_range: int) -> None:
+        self.transport = transport
         self.scenario = scenario
         self.workload = scenario.workload
-        self.model = model
         self.token_range = token_range
         self.phases = Phases(self.workload)
         self.issued: list[Request] = []
@@ -66,41 +147,34 @@ class LiveDriver:
         self.issued.append(req)
         return req
 
-    @staticmethod
-    def _reject(req: Request, response: httpx.Response) -> None:
-        try:
-            reason = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            reason = response.text[:200]
-        req.reject(f"HTTP {response.status_code}: {reason}")
-
     async def embed(self, ids: list[int]) -> tuple[Request, list[float] | None]:
         req = self._request(EMB, len(ids), 0)
-        r = await self.client.post("/v1/embeddings", json={"model": self.model, "input": ids})
-        if r.status_code != 200:
-            self._reject(req, r)
+        try:
+            (vector,) = await self.transport.embed([ids])
+        except Rejected as exc:
+            req.reject(str(exc))
             return req, None
         req.transition(RequestState.RUNNING)
         req.transition(RequestState.FINISHED)
         req.finished_at = self.now()
-        return req, r.json()["data"][0]["embedding"]
+        return req, vector
 
     async def generate(self, ids: list[int], n_out: int) -> Request:
         req = self._request(GEN, len(ids), n_out)
-        body = {"model": self.model, "prompt": ids, "max_tokens": n_out, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        async with self.client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                self._reject(req, r)
-                return req
+
+        def on_token() -> None:
+            if req.state is RequestState.WAITING:
+                req.transition(RequestState.RUNNING)
+                req.first_token_at = self.now()
+            req.num_generated += 1
+
+        try:
+            await self.transport.generate(ids, n_out, on_token)
+        except Rejected as exc:
+            req.reject(str(exc))
+            return req
+        if req.state is RequestState.WAITING:
             req.transition(RequestState.RUNNING)
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                if req.first_token_at is None:
-                    req.first_token_at = self.now()
-                req.num_generated += 1
         req.transition(RequestState.FINISHED)
         req.finished_at = self.now()
         return req
@@ -119,10 +193,7 @@ class LiveDriver:
         self.corpus = [self.tokens(rng, cfg.doc_tokens.sample(rng)) for _ in range(size)]
         vectors = []
         for lo in range(0, size, 32):
-            r = await self.client.post("/v1/embeddings", json={"model": self.model,
-                                                               "input": self.corpus[lo:lo + 32]})
-            r.raise_for_status()
-            vectors += [d["embedding"] for d in r.json()["data"]]
+            vectors += await self.transport.embed(self.corpus[lo:lo + 32])
         m = np.asarray(vectors, dtype=np.float32)
         self.index = m / np.linalg.norm(m, axis=1, keepdims=True)
 
@@ -255,20 +326,17 @@ def _prometheus(text: str) -> dict[str, float]:
     return out
 
 
-async def bench(url: str, scenario: Scenario, label: str = "measured", token_range: int = 500,
-                max_connections: int = 1024) -> dict:
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0), limits=limits) as client:
-        models = (await client.get("/v1/models")).json()["data"]
-        model = models[0]["id"]
-        driver = LiveDriver(client, scenario, model, token_range)
-        await driver.prepare()
-        before = _prometheus((await client.get("/metrics")).text)
-        wall = time.perf_counter()
-        end = await driver.run()
-        wall = time.perf_counter() - wall
-        await asyncio.sleep(0.3)  # let the server notice cancelled streams
-        after = _prometheus((await client.get("/metrics")).text)
+async def measure(transport, scenario: Scenario, label: str, token_range: int, scrape) -> dict:
+    """Drive ``transport`` with the scenario's workload; ``scrape()`` returns the engine's
+    Prometheus text (for utilisation and budget fill)."""
+    driver = LiveDriver(transport, scenario, token_range)
+    await driver.prepare()
+    before = _prometheus(await scrape())
+    wall = time.perf_counter()
+    end = await driver.run()
+    wall = time.perf_counter() - wall
+    await asyncio.sleep(0.3)  # let the engine notice cancelled requests
+    after = _prometheus(await scrape())
 
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
@@ -290,6 +358,30 @@ async def bench(url: str, scenario: Scenario, label: str = "measured", token_ran
     })
     return {"schema": SCHEMA, "scenario": scenario.model_dump(mode="json", by_alias=True),
             "runs": [{"configuration": label, "metrics": metrics}]}
+
+
+async def bench(url: str, scenario: Scenario, label: str = "measured", token_range: int = 500,
+                max_connections: int = 1024) -> dict:
+    """Load a live server over HTTP."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def scrape() -> str:
+            return (await client.get("/metrics")).text
+
+        return await measure(HttpTransport(client, model), scenario, label, token_range, scrape)
+
+
+async def bench_in_process(runner, metrics, scenario: Scenario, label: str = "measured",
+                           token_range: int = 500) -> dict:
+    """Load an engine thread in this process (no HTTP)."""
+    from prometheus_client import generate_latest
+
+    async def scrape() -> str:
+        return generate_latest(metrics.registry).decode()
+
+    return await measure(EngineTransport(runner), scenario, label, token_range, scrape)
 
 
 def write_results(doc: dict, out: Path) -> Path:

@@ -74,16 +74,12 @@ def serve(
         Console().print(f"[red]error:[/red] --backend {backend!r} is not available; this build "
                         "has the PyTorch engine only ('torch')")
         raise typer.Exit(2)
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     try:
         sched = SchedulerConfig(token_budget=token_budget, chunk_size=chunk_size,
                                 max_num_seqs=max_num_seqs)
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
-                             served_model_name, device, dtype, pooling)
+                             served_model_name, device, dtype, pooling, threads)
     except ValueError as exc:
         Console().print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
@@ -122,6 +118,97 @@ def bench(
     path = write_results(doc, out)
     console.print(comparison_table(doc["runs"], f"{sc.name} against {url}"))
     console.print(f"results: {path}")
+
+
+@app.command()
+def calibrate(
+    model: Path = typer.Option(..., "--model", help="model directory"),
+    embedding_adapter: Path = typer.Option(None, "--embedding-adapter", help="PEFT LoRA adapter"),
+    out: Path = typer.Option(..., "--out", help="calibration JSON to write (raw CSV beside it)"),
+    hardware: str = typer.Option("cpu-2core", help="hardware catalogue entry the figures refine"),
+    repeats: int = typer.Option(3, help="measured runs per grid point (after one warm-up)"),
+    quick: bool = typer.Option(False, help="a small grid (smoke tests)"),
+    token_budget: int = typer.Option(2048),
+    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
+    backend: str = typer.Option("torch", help="torch (the PyTorch reference engine)"),
+) -> None:
+    """Profile the engine over batch compositions, fit the cost model, write a calibration."""
+    from rich.progress import Progress
+
+    from orthrus_real import calibrate as cal
+
+    console = Console()
+    if backend != "torch":
+        console.print(f"[red]error:[/red] --backend {backend!r} is not available; this build "
+                      "has the PyTorch engine only ('torch')")
+        raise typer.Exit(2)
+    try:
+        runner = cal.calibration_engine(str(model), str(embedding_adapter) if embedding_adapter else None,
+                                        token_budget, threads=threads)
+        grid = cal.default_grid(quick)
+        with Progress(console=console) as bar:
+            task = bar.add_task("profiling", total=len(grid))
+            rows = cal.profile(runner, grid, repeats, lambda i, n: bar.update(task, completed=i))
+        runner.stop()
+        rank = None
+        if embedding_adapter:
+            from orthrus_sim.files import read_structured
+
+            rank = read_structured(embedding_adapter / "adapter_config.json", "adapter config")["r"]
+        calibration, rows = cal.fit(rows, str(model), rank, hardware)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    csv_path = cal.write(calibration, rows, out)
+    table = Table(title=f"Cost-model fit on {len(rows)} iterations ({hardware})")
+    table.add_column("rows")
+    table.add_column("MAPE", justify="right")
+    for key, value in calibration.fit_error.detail.items():
+        if "mape" in key:
+            table.add_row(key.replace("holdout_mape_", "held-out ").replace("_", " "), f"{value:.1%}")
+    console.print(table)
+    console.print(f"wrote {out} and {csv_path}")
+
+
+@app.command()
+def validate(
+    scenario: Path = typer.Argument(..., help="scenario YAML"),
+    model: Path = typer.Option(..., "--model", help="model directory"),
+    calibration: Path = typer.Option(..., "--calibration", help="calibration JSON of this machine"),
+    embedding_adapter: Path = typer.Option(None, "--embedding-adapter"),
+    out: Path = typer.Option(Path("out/validate"), "--out"),
+    set_: list[str] = typer.Option([], "--set", help="override a scenario field: section.key=value"),
+    kv_cache_tokens: int = typer.Option(32768),
+    threads: int = typer.Option(2, help="torch threads of the measured engine"),
+    via_server: bool = typer.Option(False, help="measure through a server process and HTTP "
+                                                "(default: the engine in this process)"),
+) -> None:
+    """Run a scenario simulated and for real on this machine; print both and the errors."""
+    from orthrus_real.validate import validate as run_validate
+    from orthrus_sim.scenario import read_scenario
+
+    console = Console()
+    try:
+        with console.status("validating ...") as status:
+            result = run_validate(read_scenario(scenario), set_, str(model),
+                                  str(embedding_adapter) if embedding_adapter else None,
+                                  str(calibration), out, kv_cache_tokens, threads,
+                                  progress=lambda msg: status.update(msg), via_server=via_server)
+    except (ValueError, RuntimeError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    table = Table(title=f"{result['scenario'].name}: simulated vs measured")
+    for col in ("configuration", "metric", "simulated", "measured", "error"):
+        table.add_column(col, justify="right")
+    def fmt(v) -> str:
+        return "-" if v is None else f"{v:.4g}"
+
+    for row in result["rows"]:
+        err = row["relative_error"]
+        table.add_row(row["configuration"], row["metric"], fmt(row["simulated"]), fmt(row["measured"]),
+                      "-" if err is None else f"{err:+.1%}")
+    console.print(table)
+    console.print(f"results: {out}/simulated/results.json, {out}/measured/results.json")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from orthrus_real.attention import build_metadata
 from orthrus_real.model import Decoder
 from orthrus_real.model_files import read_adapter, read_config, read_weights
 from orthrus_real.sampling import SamplingParams, sample
+from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine import (
     BatchUnit,
     IncrementalPooler,
@@ -67,6 +68,7 @@ class IterationStats:
     token_budget: int
     kv_usage: float
     lora_rows: int
+    shape: BatchShape  # what the cost model needs of this batch (for calibration)
 
 
 @dataclass
@@ -293,7 +295,8 @@ class Engine:
         self.stats.append(IterationStats(
             self.iterations, start, self.now() - start, comp["embed_tokens"], comp["prefill_tokens"],
             comp["decodes"], batch.total_tokens, batch.token_budget, self.policy.blocks.usage,
-            comp["embed_tokens"] if self.adapter_name else 0))
+            comp["embed_tokens"] if self.adapter_name else 0,
+            BatchShape.from_batch(batch, adapter=self.adapter_name is not None)))
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> dict[str, RequestOutput]:
         final: dict[str, RequestOutput] = {}

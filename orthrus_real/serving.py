@@ -15,14 +15,23 @@ from orthrus_real.server import create_app
 def build(model: str, adapter: str | None = None, policy: str = "orthrus", scheduler=None,
           kv_cache_tokens: int = 32768, max_queued: int = 1024, max_body_bytes: int = 1 << 20,
           served_model_name: str | None = None, device: str | None = None, dtype: str | None = None,
-          pooling: str = "mean"):
-    engine = Engine(model, adapter_dir=adapter, policy=policy, scheduler=scheduler, device=device,
-                    dtype=dtype, kv_cache_tokens=kv_cache_tokens)
-    runner = EngineThread(engine, max_queued=max_queued)
+          pooling: str = "mean", threads: int = 0):
+    """Engine thread, metrics and app; the engine is ready when this returns."""
+    def make_engine() -> Engine:
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        return Engine(model, adapter_dir=adapter, policy=policy, scheduler=scheduler, device=device,
+                      dtype=dtype, kv_cache_tokens=kv_cache_tokens)
+
+    runner = EngineThread(make_engine, max_queued=max_queued)
     metrics = EngineMetrics(lambda: runner.snapshot)
     runner.on_step = metrics.on_step
-    name = served_model_name or engine.model_dir.name
+    runner.start()  # the engine is built (and steps) in its own thread
+    name = served_model_name or runner.engine.model_dir.name
     app = create_app(runner, name, metrics, max_body_bytes, default_pooling=pooling)
+    app.state.metrics = metrics
     return app, runner
 
 
@@ -41,7 +50,6 @@ class DrainingServer(uvicorn.Server):
 def serve(app, runner: EngineThread, host: str = "127.0.0.1", port: int = 8000,
           sock: socket.socket | None = None, log_level: str = "info",
           graceful_timeout: float = 300.0) -> None:
-    runner.start()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=graceful_timeout)
     server = DrainingServer(config, runner)

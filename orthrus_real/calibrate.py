@@ -1,0 +1,215 @@
+"""``orthrus-real calibrate``: profile the real engine over a grid of batch compositions, fit
+the cost model to the measured iteration times, write a calibration file ``orthrus-sim``
+accepts (and the raw measurements as CSV beside it).
+
+Each grid point is a small workload run through the engine's own loop (``Engine.step``), so the
+measured time is a whole iteration as it happens in serving: scheduling, the packed forward
+pass, the emit stage and completion. Every iteration's composition (its ``BatchShape``) and time
+is one profiling row; the first run of each point is a warm-up and is discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import datetime
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from orthrus_real.engine import Engine
+from orthrus_real.engine_thread import EngineThread
+from orthrus_sim.costmodel import (
+    CostModel,
+    LoRASpec,
+    fit_iterations,
+    get_hardware,
+    get_model,
+    save_calibration,
+)
+from orthrus_sim.costmodel.calibration import (
+    CalibrationFile,
+    FitErrorModel,
+    SourceModel,
+    coefficients_model,
+    mape,
+)
+from orthrus_sim.costmodel.coefficients import Coefficients
+from orthrus_sim.costmodel.shape import BatchShape
+from orthrus_sim.engine import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """A workload that produces one kind of batch: D decodes at context C, E embedding inputs
+    of L tokens, P prompts of N tokens (prefill chunks)."""
+
+    category: str
+    decodes: int = 0
+    context: int = 0
+    steps: int = 8
+    embeds: int = 0
+    embed_len: int = 0
+    prompts: int = 0
+    prompt_len: int = 0
+
+
+def default_grid(quick: bool = False) -> list[GridPoint]:
+    decodes = (1, 8, 32) if quick else (1, 4, 16, 32, 64)
+    contexts = (64, 512) if quick else (64, 256, 1024)
+    lens = (32, 256) if quick else (16, 64, 256, 512)
+    counts = (1, 4) if quick else (1, 4, 8)
+    # decode points prefill d x c tokens per run; past 32k tokens that dominates the profile
+    grid = [GridPoint("decode", decodes=d, context=c) for d in decodes for c in contexts
+            if d * c <= 32768]
+    grid += [GridPoint("embedding", embeds=n, embed_len=n_tok) for n in counts for n_tok in lens]
+    grid += [GridPoint("prefill", prompts=n, prompt_len=n_tok) for n in counts for n_tok in lens]
+    grid += [GridPoint("mixed", decodes=d, context=c, embeds=n, embed_len=n_tok)
+             for d in decodes[1:] for c in contexts[:1] for n, n_tok in ((2, 128), (4, 256))]
+    return grid
+
+
+async def _run_point(runner: EngineThread, transport, point: GridPoint,
+                     rng: np.random.Generator) -> list:
+    """Run one grid point to completion; returns the IterationStats of its iterations."""
+    engine = runner.engine
+    vocab = min(engine.cfg.vocab_size, 30000)
+    first = engine.iterations
+
+    def tokens(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(4, vocab, size=n)]
+
+    started = asyncio.Event()
+    decoding = [0]
+
+    def on_token() -> None:
+        decoding[0] += 1
+        if decoding[0] == point.decodes:
+            started.set()
+
+    def first_token_counter():
+        seen = [False]
+
+        def cb() -> None:
+            if not seen[0]:
+                seen[0] = True
+                on_token()
+        return cb
+
+    tasks = [asyncio.create_task(transport.generate(tokens(point.context), point.steps,
+                                                    first_token_counter()))
+             for _ in range(point.decodes)]
+    if point.embeds and point.decodes:
+        await started.wait()  # prompts done: embedding chunks now mix into decode iterations
+    tasks += [asyncio.create_task(transport.embed([tokens(point.embed_len)]))
+              for _ in range(point.embeds)]
+    tasks += [asyncio.create_task(transport.generate(tokens(point.prompt_len), 1, lambda: None))
+              for _ in range(point.prompts)]
+    await asyncio.gather(*tasks)
+    n = engine.iterations - first
+    return list(engine.stats)[-n:] if n else []
+
+
+def profile(runner: EngineThread, grid: list[GridPoint], repeats: int = 3, progress=None) -> list[dict]:
+    """Profile through the engine thread, fed from an asyncio client in this thread: the same
+    arrangement as serving (and as ``orthrus-real validate``), so the measured iteration times
+    include what serving costs around the forward pass."""
+    from orthrus_real.bench import EngineTransport
+
+    async def go() -> list[dict]:
+        transport = EngineTransport(runner)
+        rng = np.random.default_rng(0)
+        rows = []
+        for i, point in enumerate(grid):
+            await _run_point(runner, transport, point, rng)  # warm-up
+            for _ in range(repeats):
+                for s in await _run_point(runner, transport, point, rng):
+                    rows.append({"category": point.category, "point": i, "seconds": s.seconds,
+                                 **asdict(s.shape)})
+            if progress is not None:
+                progress(i + 1, len(grid))
+        return rows
+
+    return asyncio.run(go())
+
+
+def _category(shape: BatchShape, point_category: str) -> str:
+    if shape.chunk_tokens and shape.decodes:
+        return "mixed"
+    if shape.pooled_rows == shape.tokens:
+        return "embedding"
+    if shape.decodes == shape.tokens:
+        return "decode"
+    return point_category if point_category != "mixed" else "prefill"
+
+
+def fit(rows: list[dict], model_dir: str, adapter_rank: int | None, hardware: str = "cpu-2core",
+        holdout_every: int = 5) -> tuple[CalibrationFile, list[dict]]:
+    """Fit group efficiencies and overheads; returns the calibration and per-row predictions."""
+    hw = get_hardware(hardware)
+    spec = get_model(model_dir)
+    lora = LoRASpec(adapter_rank) if adapter_rank else None
+    base = CostModel(hw, spec, Coefficients(), lora)
+    fields = BatchShape.__slots__
+    samples = [(BatchShape(**{k: r[k] for k in fields}), r["seconds"]) for r in rows]
+    coeffs, errors = fit_iterations(base, samples, holdout_every)
+    fitted = CostModel(hw, spec, coeffs, lora)
+    held = {}
+    for i, (row, (shape, seconds)) in enumerate(zip(rows, samples)):
+        row["predicted_s"] = fitted.shape_time(shape)
+        row["holdout"] = i % holdout_every == 0
+        row["kind"] = _category(shape, row["category"])
+        if row["holdout"]:
+            held.setdefault(row["kind"], []).append((row["predicted_s"], seconds))
+    detail = {f"holdout_mape_{k}": round(mape(*zip(*v)), 5) for k, v in sorted(held.items())}
+    detail.update({k: round(v, 5) for k, v in errors.items()})
+    cal = CalibrationFile(
+        schema="orthrus.calibration/1", hardware=hw.name, model=str(model_dir),
+        coefficients=coefficients_model(coeffs),
+        source=SourceModel(
+            description=(
+                f"orthrus-real calibrate: {len(rows)} whole iterations of the PyTorch engine "
+                f"(scheduling, forward, emit, completion) on {hw.name}, fitted with "
+                "fit_iterations (group efficiencies: linear, attention, elementwise, LoRA; "
+                "per-iteration and per-sequence overheads). Per-operator times are not measured "
+                "separately here, so per-operator MAPE is not available; errors are per batch "
+                "kind on held-out iterations."),
+            files=[], measured=["whole iterations"], assumed=["per-operator split (roofline)"]),
+        fit_error=FitErrorModel(iteration_mape=round(errors.get("holdout_mape", errors["train_mape"]), 5),
+                                points=len(rows), detail=detail),
+        created=datetime.date.today().isoformat(),
+    )
+    return cal, rows
+
+
+def write(cal: CalibrationFile, rows: list[dict], out: Path) -> Path:
+    save_calibration(cal, out)
+    csv_path = out.with_suffix(".csv")
+    with csv_path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    cal.source.files = [str(csv_path)]
+    save_calibration(cal, out)
+    return csv_path
+
+
+def calibration_engine(model_dir: str, adapter_dir: str | None, token_budget: int = 2048,
+                       kv_cache_tokens: int = 131072, threads: int = 0) -> EngineThread:
+    """An engine thread (built and stepped in its own thread, as in serving), started."""
+    from orthrus_real.metrics import EngineMetrics
+
+    def make() -> Engine:
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        return Engine(model_dir, adapter_dir=adapter_dir, policy="orthrus",
+                      scheduler=SchedulerConfig(token_budget=token_budget, chunk_size=512),
+                      kv_cache_tokens=kv_cache_tokens)
+
+    runner = EngineThread(make, max_queued=10**6)
+    metrics = EngineMetrics(lambda: runner.snapshot)
+    runner.on_step = metrics.on_step
+    return runner.start()

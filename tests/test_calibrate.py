@@ -1,0 +1,79 @@
+"""Calibrate + validate smoke test on the tiny model (CI-sized)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("torch")
+
+from orthrus_real.cli import app  # noqa: E402
+from orthrus_sim.costmodel import load_calibration  # noqa: E402
+from orthrus_sim.scenario import parse_scenario  # noqa: E402
+from orthrus_sim.sim.run import simulate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def calibration(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cal") / "tiny.json"
+    model = tiny_models["llama"]
+    res = CliRunner().invoke(app, ["calibrate", "--model", str(model), "--embedding-adapter",
+                                   str(model / "adapter"), "--out", str(out), "--quick",
+                                   "--repeats", "1"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_calibrate_writes_a_file_the_simulator_accepts(calibration, tiny_models):
+    cal = load_calibration(calibration)
+    assert cal.hardware == "cpu-2core" and cal.fit_error.points > 20
+    assert cal.fit_error.iteration_mape is not None
+    assert any(k.startswith("holdout_mape_") for k in cal.fit_error.detail)
+    rows = calibration.with_suffix(".csv").read_text().splitlines()
+    assert rows[0].startswith("category,point,seconds") and len(rows) == cal.fit_error.points + 1
+    scenario = parse_scenario({
+        "name": "cpu", "seed": 0, "duration_s": 2, "hardware": "cpu-2core",
+        "model": str(tiny_models["llama"]), "calibration": str(calibration),
+        "workload": {"arrival": {"process": "closed-loop", "clients": 4}}})
+    m = simulate(scenario, "orthrus").metrics
+    assert m["completed"]["embedding"] + m["completed"]["generation"] > 0
+
+
+def test_validate_runs_both_sides(calibration, tiny_models, tmp_path):
+    import yaml
+
+    model = tiny_models["llama"]
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "smoke", "seed": 0, "duration_s": 3, "warmup_s": 0.5,
+        "configurations": ["orthrus"],
+        "scheduler": {"token_budget": 512, "chunk_size": 128},
+        "workload": {"arrival": {"process": "closed-loop", "clients": 4}, "generation_share": 0.5,
+                     "embedding_input": {"dist": "fixed", "value": 64},
+                     "generation_prompt": {"dist": "fixed", "value": 16},
+                     "generation_output": {"dist": "fixed", "value": 8}}}))
+    out = tmp_path / "val"
+    res = CliRunner().invoke(app, ["validate", str(path), "--model", str(model), "--embedding-adapter",
+                                   str(model / "adapter"), "--calibration", str(calibration),
+                                   "--out", str(out), "--kv-cache-tokens", "8192"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "comparison.json").read_text())
+    tput = next(r for r in rows if r["metric"] == "throughput_rps.combined")
+    assert tput["simulated"] > 0 and tput["measured"] > 0 and tput["relative_error"] is not None
+    for side in ("simulated", "measured"):
+        doc = json.loads((out / side / "results.json").read_text())
+        assert doc["schema"] == "orthrus.results/1"
+        assert doc["scenario"]["hardware"] == "cpu-2core"
+
+
+def test_validate_refuses_multi_device_configurations(calibration, tiny_models, tmp_path):
+    import yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "x", "duration_s": 1, "configurations": ["dedicated-1:1"],
+                                    "cluster": {"gpus": 2}}))
+    res = CliRunner().invoke(app, ["validate", str(path), "--model", str(tiny_models["llama"]),
+                                   "--calibration", str(calibration)])
+    assert res.exit_code == 2 and "several devices" in res.output
