@@ -91,7 +91,7 @@ def main() -> None:
                 h = hf.model(ids[lo:lo + 16]).last_hidden_state
                 h.float().mean(1)
 
-    console = Console()
+    console = Console(width=150)
     rows = []
     t = timed(ours_generate, args.repeats)
     ours_gen = N * OUTPUT / t

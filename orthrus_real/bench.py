@@ -22,7 +22,15 @@ import numpy as np
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
 from orthrus_sim.scenario import Scenario
 from orthrus_sim.sim.metrics import request_metrics, summary
-from orthrus_sim.sim.workload import EMB, GEN, Phases, Workflow, load_trace, sample_synthetic
+from orthrus_sim.sim.workload import (
+    EMB,
+    GEN,
+    Phases,
+    Workflow,
+    interarrival,
+    load_trace,
+    sample_synthetic,
+)
 
 SCHEMA = "orthrus.results/1"
 
@@ -71,12 +79,14 @@ class EngineTransport:
         self._ids = 0
 
     async def _submit(self, kind: str, kwargs: dict):
+        from orthrus_real.engine_thread import asyncio_sink
+
         self._ids += 1
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         rid = f"{kind[0]}{self._ids}"
         try:
-            self.runner.submit(kind, rid, kwargs, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+            self.runner.submit(kind, rid, kwargs, asyncio_sink(loop, q))
         except RuntimeError as exc:
             raise Rejected(str(exc)) from None
         return rid, q
@@ -288,14 +298,8 @@ class LiveDriver:
                 await asyncio.sleep(rng.exponential(think))
 
     async def _open_loop(self, rng: np.random.Generator, tasks: list) -> None:
-        a = self.workload.arrival
         while True:
-            if a.process == "poisson":
-                gap = rng.exponential(1.0 / a.rate)
-            else:
-                shape = 1.0 / a.cv**2
-                gap = rng.gamma(shape, 1.0 / (a.rate * shape))
-            await asyncio.sleep(gap)
+            await asyncio.sleep(interarrival(self.workload.arrival, rng))
             if not self.may_start():
                 return
             self.units += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import datetime
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -134,7 +135,41 @@ def profile(runner: EngineThread, grid: list[GridPoint], repeats: int = 3, progr
     return asyncio.run(go())
 
 
+def load_scenario_for(seconds: float, seed: int = 1234):
+    """A mixed closed-loop load through three mixes (9:1, 5:5, 1:9 embedding:generation) with
+    varied lengths: compositions a grid does not produce (prefill + decodes + embedding chunks
+    at once, changing every iteration), and serving's own jitter."""
+    from orthrus_sim.scenario import parse_scenario
+
+    third = seconds / 3
+    return parse_scenario({
+        "name": "calibration-load", "seed": seed, "duration_s": seconds,
+        "workload": {"arrival": {"process": "closed-loop", "clients": 16},
+                     "embedding_input": {"dist": "uniform", "low": 16, "high": 512},
+                     "generation_prompt": {"dist": "uniform", "low": 16, "high": 256},
+                     "generation_output": {"dist": "uniform", "low": 8, "high": 128},
+                     "phases": [{"duration_s": third, "generation_share": s} for s in (0.1, 0.5, 0.9)]},
+    })
+
+
+def profile_load(runner: EngineThread, seconds: float, token_range: int = 500) -> list[dict]:
+    """Rows from every iteration of a mixed serving load of ``seconds``."""
+    from orthrus_real.bench import EngineTransport, LiveDriver
+
+    engine = runner.engine
+    first = engine.iterations
+    driver = LiveDriver(EngineTransport(runner), load_scenario_for(seconds),
+                        min(token_range, engine.cfg.vocab_size))
+    asyncio.run(driver.run())
+    time.sleep(0.2)  # cancelled requests leave the engine
+    n = engine.iterations - first
+    return [{"category": "load", "point": -1, "seconds": s.seconds, **asdict(s.shape)}
+            for s in list(engine.stats)[-n:]] if n else []
+
+
 def _category(shape: BatchShape, point_category: str) -> str:
+    if point_category == "load":
+        return "load"
     if shape.chunk_tokens and shape.decodes:
         return "mixed"
     if shape.pooled_rows == shape.tokens:
@@ -170,7 +205,9 @@ def fit(rows: list[dict], model_dir: str, adapter_rank: int | None, hardware: st
         source=SourceModel(
             description=(
                 f"orthrus-real calibrate: {len(rows)} whole iterations of the PyTorch engine "
-                f"(scheduling, forward, emit, completion) on {hw.name}, fitted with "
+                f"(scheduling, forward, emit, completion) on {hw.name}: grid points of one kind "
+                "of batch each, plus every iteration of a mixed serving load (category 'load'); "
+                "fitted with "
                 "fit_iterations (group efficiencies: linear, attention, elementwise, LoRA; "
                 "per-iteration and per-sequence overheads). Per-operator times are not measured "
                 "separately here, so per-operator MAPE is not available; errors are per batch "

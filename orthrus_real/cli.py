@@ -128,6 +128,8 @@ def calibrate(
     hardware: str = typer.Option("cpu-2core", help="hardware catalogue entry the figures refine"),
     repeats: int = typer.Option(3, help="measured runs per grid point (after one warm-up)"),
     quick: bool = typer.Option(False, help="a small grid (smoke tests)"),
+    load_seconds: float = typer.Option(60.0, help="seconds of mixed serving load profiled after "
+                                                  "the grid (0: grid only)"),
     token_budget: int = typer.Option(2048),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
     backend: str = typer.Option("torch", help="torch (the PyTorch reference engine)"),
@@ -149,6 +151,9 @@ def calibrate(
         with Progress(console=console) as bar:
             task = bar.add_task("profiling", total=len(grid))
             rows = cal.profile(runner, grid, repeats, lambda i, n: bar.update(task, completed=i))
+        if load_seconds > 0:
+            with console.status(f"profiling {load_seconds:.0f} s of mixed serving load"):
+                rows += cal.profile_load(runner, min(load_seconds, 6.0) if quick else load_seconds)
         runner.stop()
         rank = None
         if embedding_adapter:

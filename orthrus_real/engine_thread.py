@@ -15,6 +15,19 @@ from orthrus_sim.engine import RequestState
 Sink = Callable[[Any], None]  # receives RequestOutput objects, or an Exception
 
 
+def asyncio_sink(loop, q) -> Sink:
+    """A sink that hands outputs to an asyncio queue of ``loop`` from the engine thread; outputs
+    for a caller whose loop has closed (it went away) are dropped."""
+
+    def deliver(item) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # event loop is closed
+            pass
+
+    return deliver
+
+
 class QueueFull(RuntimeError):
     pass
 

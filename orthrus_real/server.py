@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orthrus_real.engine import RequestOutput, RequestRejected
-from orthrus_real.engine_thread import Draining, EngineThread, QueueFull
+from orthrus_real.engine_thread import Draining, EngineThread, QueueFull, asyncio_sink
 from orthrus_real.metrics import EngineMetrics
 from orthrus_real.openai_api import ChatBody, CompletionBody, EmbeddingBody
 from orthrus_real.sampling import SamplingParams
@@ -146,7 +146,7 @@ def create_app(runner: EngineThread, model_name: str, metrics: EngineMetrics | N
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         try:
-            runner.submit(kind, rid, kwargs, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+            runner.submit(kind, rid, kwargs, asyncio_sink(loop, q))
         except QueueFull as exc:
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full") from None
         except Draining as exc:

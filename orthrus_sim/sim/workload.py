@@ -83,6 +83,14 @@ class Phases:
         return self.by_count and units >= self.ends[-1]
 
 
+def interarrival(arrival, rng: np.random.Generator) -> float:
+    """Seconds to the next open-loop arrival: exponential (Poisson) or gamma with the given CV."""
+    if arrival.process == "poisson":
+        return rng.exponential(1.0 / arrival.rate)
+    shape = 1.0 / arrival.cv**2
+    return rng.gamma(shape, 1.0 / (arrival.rate * shape))
+
+
 def sample_synthetic(workload, rng: np.random.Generator, share: float) -> tuple[RequestKind, int, int]:
     """Kind, input tokens and output tokens of one synthetic request."""
     if rng.random() < share:
@@ -228,14 +236,8 @@ class Driver:
         yield from self._one(np.random.default_rng([self.scenario.seed, 4, len(self.workflows)]))
 
     def _open_loop(self, rng: np.random.Generator):
-        a = self.workload.arrival
         while True:
-            if a.process == "poisson":
-                gap = rng.exponential(1.0 / a.rate)
-            else:
-                shape = 1.0 / a.cv**2
-                gap = rng.gamma(shape, 1.0 / (a.rate * shape))
-            yield self.env.timeout(gap)
+            yield self.env.timeout(interarrival(self.workload.arrival, rng))
             if not self._start_unit():
                 return
             if self.workload.kind == "iter-retgen":
