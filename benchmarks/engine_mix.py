@@ -32,7 +32,7 @@ PROMPT, OUTPUT, EMB_LEN = 128, 128, 128
 
 
 def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int, duration: float,
-                warmup: float, threads: int, core: int | None = None) -> dict:
+                warmup: float, threads: int, core: int | None = None, budget: int = 2048) -> dict:
     """Closed-loop clients against one in-process engine; returns per-type counts and latencies."""
     if core is not None:
         os.sched_setaffinity(0, {core})
@@ -41,9 +41,9 @@ def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int,
     from orthrus_real.sampling import SamplingParams
     from orthrus_sim.engine import SchedulerConfig
 
-    chunk = None if policy == "embedding-only" else 512
+    chunk = None if policy == "embedding-only" else min(512, budget)
     engine = Engine(model_dir, policy=policy, kv_cache_tokens=(gen_streams + emb_streams + 4) * 320,
-                    scheduler=SchedulerConfig(token_budget=2048, chunk_size=chunk, max_num_seqs=256))
+                    scheduler=SchedulerConfig(token_budget=budget, chunk_size=chunk, max_num_seqs=256))
     rng = np.random.default_rng(0)
     ids = iter(range(10**9))
     started: dict[str, tuple[str, float]] = {}
@@ -107,6 +107,10 @@ def main() -> None:
     parser.add_argument("--streams", default="4,16,64")
     parser.add_argument("--mixes", default="5:5,1:9")
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--token-budget", type=int, default=2048,
+                        help="budget of the unified engines (a small one keeps decode steps short); the "
+             "single-task engines keep 2048")
+    parser.add_argument("--policies", default="orthrus,unified-hetero,unified-homo")
     args = parser.parse_args()
     console = Console(width=170)
     tmp = tempfile.TemporaryDirectory()
@@ -127,8 +131,9 @@ def main() -> None:
             gen_alone = run_clients(model_dir, "generation", g, 0, args.duration, args.warmup, 2)
             emb_alone = run_clients(model_dir, "embedding-only", 0, e, args.duration, args.warmup, 2)
             results = {"dedicated 1:1 cores": dedicated(model_dir, g, e, args.duration, args.warmup)}
-            for policy in ("orthrus", "unified-hetero", "unified-homo"):
-                results[policy] = run_clients(model_dir, policy, g, e, args.duration, args.warmup, 2)
+            for policy in args.policies.split(","):
+                results[policy] = run_clients(model_dir, policy, g, e, args.duration, args.warmup, 2,
+                                              budget=args.token_budget)
             base = results["dedicated 1:1 cores"]
             for name, r in results.items():
                 norm = r["generation"] / gen_alone["generation"] + r["embedding"] / emb_alone["embedding"]
