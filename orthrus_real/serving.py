@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import uvicorn
 
@@ -33,6 +34,23 @@ def build(model: str, adapter: str | None = None, policy: str = "orthrus", sched
     app = create_app(runner, name, metrics, max_body_bytes, default_pooling=pooling)
     app.state.metrics = metrics
     return app, runner
+
+
+def wait_healthy(url: str, timeout: float = 60.0, process=None) -> None:
+    """Poll ``url``/health until it answers 200; raise if ``process`` exits or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server process exited with code {process.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not become healthy within {timeout:.0f} s")
 
 
 class DrainingServer(uvicorn.Server):

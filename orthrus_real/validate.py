@@ -9,12 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
 from orthrus_real.bench import bench, bench_in_process
+from orthrus_real.serving import wait_healthy
 from orthrus_sim.files import read_structured
 from orthrus_sim.runner import SCHEMA, scenario_dump
 from orthrus_sim.scenario import Scenario, parse_scenario
@@ -93,14 +91,10 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(600):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited; see {log}")
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
+            try:
+                wait_healthy(url, 120.0, proc)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}; see {log}") from None
             doc = asyncio.run(bench(url, sc, label=configuration))
         finally:
             proc.send_signal(signal.SIGTERM)

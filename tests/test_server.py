@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from orthrus_real.serving import build, serve  # noqa: E402
+from orthrus_real.serving import build, serve, wait_healthy  # noqa: E402
 
 
 def start_server(model_dir, **kwargs):
@@ -32,12 +32,7 @@ def start_server(model_dir, **kwargs):
                               kwargs=dict(sock=sock, log_level="warning"), daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    wait_healthy(url, 30.0)
     return url, runner
 
 
@@ -213,12 +208,7 @@ def test_sigterm_drains_in_flight_requests(tiny_models, tmp_path):
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(url, 60.0, proc)
         result = {}
 
         def long_request():
