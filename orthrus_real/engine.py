@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from orthrus_real.attention import build_metadata
 from orthrus_real.model import Decoder
-from orthrus_real.model_files import read_adapter, read_config, read_weights
+from orthrus_real.model_files import DTYPES, read_adapter, read_config, read_weights
 from orthrus_real.sampling import SamplingParams, sample
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine import (
@@ -92,8 +92,6 @@ class Engine:
         self.model_dir = Path(model_dir)
         cfg = read_config(model_dir)
         if dtype:
-            from orthrus_real.model_files import DTYPES
-
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
             cfg = type(cfg)(**{**cfg.__dict__, "dtype": DTYPES[dtype]})

@@ -11,6 +11,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+def _finish(fig, axes, path: Path, title: str) -> None:
+    """Grid and legend on every axis, the title over the figure, written to ``path``."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def throughput_bars(runs: list[dict], path: Path, title: str) -> None:
     names = [r["configuration"] for r in runs]
     emb = [r["metrics"]["throughput_rps"]["embedding"] for r in runs]
@@ -41,12 +52,7 @@ def latency_cdfs(runs: list[dict], requests: dict[str, list[dict]], path: Path, 
         ax.set_xscale("log")
         ax.set_xlabel(f"{kind} latency (s)")
         ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, axes, path, title)
 
 
 def timelines(runs: list[dict], timeline: dict[str, list[dict]], path: Path, title: str) -> None:
@@ -63,13 +69,7 @@ def timelines(runs: list[dict], timeline: dict[str, list[dict]], path: Path, tit
     axes[0].set_ylim(0, 1.05)
     axes[1].set_ylabel("requests queued")
     axes[1].set_xlabel("simulated time (s)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, axes, path, title)
 
 
 def sweep_plot(points: list[dict], key: str, path: Path, title: str) -> None:
@@ -82,9 +82,4 @@ def sweep_plot(points: list[dict], key: str, path: Path, title: str) -> None:
         ax.plot(xs, ys, marker="o", label=cfg)
     ax.set_xlabel(key)
     ax.set_ylabel("combined throughput (requests / s)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, [ax], path, title)

@@ -105,9 +105,6 @@ class BatchUnit:
                 hi += it.num_tokens
         return slice(lo, max(lo, hi))
 
-    def of_kind(self, kind: ItemKind) -> list[BatchItem]:
-        return self.items[self.item_slice(kind)]
-
     def tokens_of(self, kind: ItemKind) -> int:
         return sum(it.num_tokens for it in self.items if it.kind is kind)
 

@@ -31,10 +31,6 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -219,7 +219,7 @@ class Driver:
         if w.kind == "iter-retgen":
             for _ in range(self.scenario.num_requests or w.arrival.clients):
                 self._units += 1
-                self.env.process(self._one_detached(rng))
+                self.env.process(self._one_detached())
         else:
             for group in w.burst:
                 kind = GEN if group.kind == "generation" else EMB
@@ -231,7 +231,7 @@ class Driver:
                         self.submit(EMB, w.embedding_input.sample(rng), 0)
         self._finish_issuing()
 
-    def _one_detached(self, rng):
+    def _one_detached(self):
         # a workflow gets its own stream so its draws do not depend on interleaving
         yield from self._one(np.random.default_rng([self.scenario.seed, 4, len(self.workflows)]))
 
@@ -241,7 +241,7 @@ class Driver:
             if not self._start_unit():
                 return
             if self.workload.kind == "iter-retgen":
-                self.env.process(self._one_detached(rng))
+                self.env.process(self._one_detached())
             else:
                 self._synthetic(rng)
 
