@@ -11,6 +11,7 @@ generation/generation-alone + embedding/embedding-alone, where "alone" is the sa
 one type on an engine with both cores (the vLLM dedicated split measured 1.09).
 
 Run: python benchmarks/engine_mix.py [--duration 20] [--streams 4,16,64] [--mixes 5:5,1:9]
+     [--backend torch|vllm]
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import os
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -32,18 +33,22 @@ PROMPT, OUTPUT, EMB_LEN = 128, 128, 128
 
 
 def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int, duration: float,
-                warmup: float, threads: int, core: int | None = None, budget: int = 2048) -> dict:
+                warmup: float, threads: int, core: int | None = None, budget: int = 2048,
+                backend: str = "torch", gpu_share: float | None = None) -> dict:
     """Closed-loop clients against one in-process engine; returns per-type counts and latencies."""
     if core is not None:
         os.sched_setaffinity(0, {core})
-    torch.set_num_threads(threads)
-    from orthrus_real.engine import Engine
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)  # the vLLM worker's OpenMP team
+    from orthrus_real.backends import make_engine
     from orthrus_real.sampling import SamplingParams
     from orthrus_sim.engine import SchedulerConfig
 
     chunk = None if policy == "embedding-only" else min(512, budget)
-    engine = Engine(model_dir, policy=policy, kv_cache_tokens=(gen_streams + emb_streams + 4) * 320,
-                    scheduler=SchedulerConfig(token_budget=budget, chunk_size=chunk, max_num_seqs=256))
+    engine = make_engine(backend, model_dir, policy=policy,
+                         kv_cache_tokens=(gen_streams + emb_streams + 4) * 320,
+                         scheduler=SchedulerConfig(token_budget=budget, chunk_size=chunk,
+                                                   max_num_seqs=256),
+                         threads=threads, gpu_memory_utilization=gpu_share)
     rng = np.random.default_rng(0)
     ids = iter(range(10**9))
     started: dict[str, tuple[str, float]] = {}
@@ -83,19 +88,29 @@ def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int,
                 latency[kind].append(now - began)
             submit(kind)
     window = duration - warmup
+    engine.close()
     return {"embedding": done["embedding"] / window, "generation": tokens / window,
             "lat_embedding": statistics.median(latency["embedding"]) if latency["embedding"] else None,
             "lat_generation": statistics.median(latency["generation"]) if latency["generation"] else None}
 
 
-def dedicated(model_dir: str, gen_streams: int, emb_streams: int, duration: float, warmup: float) -> dict:
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(2) as pool:
-        emb = pool.apply_async(run_clients, (model_dir, "embedding-only", 0, emb_streams, duration,
-                                             warmup, 1, 0))
-        gen = pool.apply_async(run_clients, (model_dir, "generation", gen_streams, 0, duration,
-                                             warmup, 1, 1))
-        e, g = emb.get(), gen.get()
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def dedicated(model_dir: str, gen_streams: int, emb_streams: int, duration: float, warmup: float,
+              backend: str = "torch") -> dict:
+    # non-daemonic workers: a vLLM engine starts a worker process of its own; on a GPU the two
+    # engines share it, each with 40 % of its memory
+    share = 0.4 if backend == "vllm" and _has_gpu() else None
+    with ProcessPoolExecutor(2, mp_context=mp.get_context("spawn")) as pool:
+        emb = pool.submit(run_clients, model_dir, "embedding-only", 0, emb_streams, duration,
+                          warmup, 1, 0, 2048, backend, share)
+        gen = pool.submit(run_clients, model_dir, "generation", gen_streams, 0, duration,
+                          warmup, 1, 1, 2048, backend, share)
+        e, g = emb.result(), gen.result()
     return {"embedding": e["embedding"], "generation": g["generation"],
             "lat_embedding": e["lat_embedding"], "lat_generation": g["lat_generation"]}
 
@@ -111,6 +126,9 @@ def main() -> None:
                         help="budget of the unified engines (a small one keeps decode steps short); the "
              "single-task engines keep 2048")
     parser.add_argument("--policies", default="orthrus,unified-hetero,unified-homo")
+    parser.add_argument("--backend", default="torch", choices=("torch", "vllm"),
+                        help="the PyTorch engine, or vLLM with the Orthrus plug-in (every "
+                             "configuration, the single-task engines included, on that backend)")
     args = parser.parse_args()
     console = Console(width=170)
     tmp = tempfile.TemporaryDirectory()
@@ -119,7 +137,8 @@ def main() -> None:
 
         args.model = init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
     model_dir = str(args.model)
-    table = Table(title=f"Mixed workloads on the small model, 2 CPU cores, {args.duration:.0f} s each "
+    table = Table(title=f"Mixed workloads ({args.backend} backend) on the small model, 2 CPU cores, "
+                        f"{args.duration:.0f} s each "
                         f"({args.warmup:.0f} s warm-up)")
     for col in ("mix e:g", "gen streams", "emb streams", "configuration", "emb inputs/s",
                 "gen tokens/s", "normalised", "vs dedicated", "emb p50 s", "gen p50 s"):
@@ -128,12 +147,15 @@ def main() -> None:
         e_share, g_share = (float(x) for x in mix.split(":"))
         for g in (int(x) for x in args.streams.split(",")):
             e = max(1, round(g * e_share / g_share))
-            gen_alone = run_clients(model_dir, "generation", g, 0, args.duration, args.warmup, 2)
-            emb_alone = run_clients(model_dir, "embedding-only", 0, e, args.duration, args.warmup, 2)
-            results = {"dedicated 1:1 cores": dedicated(model_dir, g, e, args.duration, args.warmup)}
+            b = args.backend
+            gen_alone = run_clients(model_dir, "generation", g, 0, args.duration, args.warmup, 2,
+                                    backend=b)
+            emb_alone = run_clients(model_dir, "embedding-only", 0, e, args.duration, args.warmup, 2,
+                                    backend=b)
+            results = {"dedicated 1:1 cores": dedicated(model_dir, g, e, args.duration, args.warmup, b)}
             for policy in args.policies.split(","):
                 results[policy] = run_clients(model_dir, policy, g, e, args.duration, args.warmup, 2,
-                                              budget=args.token_budget)
+                                              budget=args.token_budget, backend=b)
             base = results["dedicated 1:1 cores"]
             for name, r in results.items():
                 norm = r["generation"] / gen_alone["generation"] + r["embedding"] / emb_alone["embedding"]

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 
-from orthrus_real.engine import Engine
 from orthrus_real.engine_thread import EngineThread
 from orthrus_sim.costmodel import (
     CostModel,
@@ -233,18 +232,16 @@ def write(cal: CalibrationFile, rows: list[dict], out: Path) -> Path:
 
 
 def calibration_engine(model_dir: str, adapter_dir: str | None, token_budget: int = 2048,
-                       kv_cache_tokens: int = 131072, threads: int = 0) -> EngineThread:
+                       kv_cache_tokens: int = 131072, threads: int = 0,
+                       backend: str = "torch") -> EngineThread:
     """An engine thread (built and stepped in its own thread, as in serving), started."""
+    from orthrus_real.backends import make_engine
     from orthrus_real.metrics import EngineMetrics
 
-    def make() -> Engine:
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
-        return Engine(model_dir, adapter_dir=adapter_dir, policy="orthrus",
-                      scheduler=SchedulerConfig(token_budget=token_budget, chunk_size=512),
-                      kv_cache_tokens=kv_cache_tokens)
+    def make():
+        return make_engine(backend, model_dir, adapter_dir, "orthrus",
+                           SchedulerConfig(token_budget=token_budget, chunk_size=512),
+                           kv_cache_tokens, threads=threads)
 
     runner = EngineThread(make, max_queued=10**6)
     metrics = EngineMetrics(lambda: runner.snapshot)

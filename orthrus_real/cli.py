@@ -27,7 +27,8 @@ def policies() -> None:
 def init_model_cmd(
     out_dir: Path = typer.Argument(..., help="directory to write the model into"),
     family: str = typer.Option("llama", help="llama | mistral | qwen2"),
-    size: str = typer.Option("tiny", help="tiny (tests) | small (CPU benchmark, ~100 M, bf16)"),
+    size: str = typer.Option("tiny", help="tiny (tests) | tiny64 (vLLM tests: head_dim 64) | small "
+                                          "(CPU benchmark, ~100 M, bf16) | 1b (GPU benchmark)"),
     seed: int = typer.Option(0),
     dtype: str = typer.Option(None, help="float32 | bfloat16 (default: the size's)"),
     shards: int = typer.Option(1, help="split the weights into this many safetensors files"),
@@ -43,6 +44,10 @@ def init_model_cmd(
         raise typer.Exit(2) from None
     Console().print(f"wrote {family}/{size} model to {path}"
                     + (f" with a rank-{adapter_rank} adapter in {path / 'adapter'}" if adapter_rank else ""))
+
+
+BACKEND_HELP = ("torch (the PyTorch reference engine) | vllm (the vLLM plug-in; needs "
+                "pip install -e '.[vllm]')")
 
 
 @app.command()
@@ -63,23 +68,19 @@ def serve(
     device: str = typer.Option(None, help="cpu or cuda (default: cuda when present)"),
     dtype: str = typer.Option(None, help="float32 or bfloat16 (default: the model's)"),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
-    backend: str = typer.Option("torch", help="torch (the PyTorch reference engine)"),
+    backend: str = typer.Option("torch", help=BACKEND_HELP),
 ) -> None:
     """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine."""
     from orthrus_real.serving import build
     from orthrus_real.serving import serve as run_server
     from orthrus_sim.engine import SchedulerConfig
 
-    if backend != "torch":
-        Console().print(f"[red]error:[/red] --backend {backend!r} is not available; this build "
-                        "has the PyTorch engine only ('torch')")
-        raise typer.Exit(2)
     try:
         sched = SchedulerConfig(token_budget=token_budget, chunk_size=chunk_size,
                                 max_num_seqs=max_num_seqs)
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
-                             served_model_name, device, dtype, pooling, threads)
+                             served_model_name, device, dtype, pooling, threads, backend)
     except ValueError as exc:
         Console().print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
@@ -132,7 +133,7 @@ def calibrate(
                                                   "the grid (0: grid only)"),
     token_budget: int = typer.Option(2048),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
-    backend: str = typer.Option("torch", help="torch (the PyTorch reference engine)"),
+    backend: str = typer.Option("torch", help=BACKEND_HELP),
 ) -> None:
     """Profile the engine over batch compositions, fit the cost model, write a calibration."""
     from rich.progress import Progress
@@ -140,13 +141,9 @@ def calibrate(
     from orthrus_real import calibrate as cal
 
     console = Console()
-    if backend != "torch":
-        console.print(f"[red]error:[/red] --backend {backend!r} is not available; this build "
-                      "has the PyTorch engine only ('torch')")
-        raise typer.Exit(2)
     try:
         runner = cal.calibration_engine(str(model), str(embedding_adapter) if embedding_adapter else None,
-                                        token_budget, threads=threads)
+                                        token_budget, threads=threads, backend=backend)
         grid = cal.default_grid(quick)
         with Progress(console=console) as bar:
             task = bar.add_task("profiling", total=len(grid))
@@ -187,6 +184,7 @@ def validate(
     threads: int = typer.Option(2, help="torch threads of the measured engine"),
     via_server: bool = typer.Option(False, help="measure through a server process and HTTP "
                                                 "(default: the engine in this process)"),
+    backend: str = typer.Option("torch", help=BACKEND_HELP),
 ) -> None:
     """Run a scenario simulated and for real on this machine; print both and the errors."""
     from orthrus_real.validate import validate as run_validate
@@ -198,7 +196,8 @@ def validate(
             result = run_validate(read_scenario(scenario), set_, str(model),
                                   str(embedding_adapter) if embedding_adapter else None,
                                   str(calibration), out, kv_cache_tokens, threads,
-                                  progress=lambda msg: status.update(msg), via_server=via_server)
+                                  progress=lambda msg: status.update(msg), via_server=via_server,
+                                  backend=backend)
     except (ValueError, RuntimeError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -89,28 +89,16 @@ class Engine:
                  policy: str = "orthrus", scheduler: SchedulerConfig | None = None,
                  device: str | None = None, dtype: str | None = None,
                  kv_cache_tokens: int = 32768) -> None:
-        self.model_dir = Path(model_dir)
-        cfg = read_config(model_dir)
-        if dtype:
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-            cfg = type(cfg)(**{**cfg.__dict__, "dtype": DTYPES[dtype]})
-        self.cfg = cfg
+        cfg = self._open(model_dir, dtype)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        tok_path = self.model_dir / "tokenizer.json"
-        if not tok_path.exists():
-            raise ValueError(f"{model_dir}: tokenizer.json is missing")
-        self.tokenizer = Tokenizer.from_file(str(tok_path))
         adapter = read_adapter(adapter_dir, cfg.num_layers) if adapter_dir else None
         self.adapter_name = adapter.name if adapter else None
         self.model = Decoder(cfg, read_weights(model_dir), self.device, adapter)
         base = scheduler or SchedulerConfig()
         block_size = base.block_size
         num_blocks = max(1, kv_cache_tokens // block_size)
-        self.scheduler_config = SchedulerConfig(
-            token_budget=base.token_budget, chunk_size=base.chunk_size,
-            max_num_seqs=base.max_num_seqs, block_size=block_size, num_blocks=num_blocks,
-            waiting_work=base.waiting_work,
+        self.scheduler_config = replace(
+            base, num_blocks=num_blocks,
             max_model_len=min(base.max_model_len or cfg.max_model_len, cfg.max_model_len))
         self.policy: Policy = make_policy(policy, self.scheduler_config)
         slots = num_blocks * block_size
@@ -118,11 +106,26 @@ class Engine:
             torch.zeros(slots, 2, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
             for _ in range(cfg.num_layers)
         ]
+
+    def _open(self, model_dir: str | Path, dtype: str | None):
+        """Read config.json and tokenizer.json (shared with the vLLM backend)."""
+        self.model_dir = Path(model_dir)
+        cfg = read_config(model_dir)
+        if dtype:
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+            cfg = type(cfg)(**{**cfg.__dict__, "dtype": DTYPES[dtype]})
+        self.cfg = cfg
+        tok_path = self.model_dir / "tokenizer.json"
+        if not tok_path.exists():
+            raise ValueError(f"{model_dir}: tokenizer.json is missing")
+        self.tokenizer = Tokenizer.from_file(str(tok_path))
         self.stats: deque[IterationStats] = deque(maxlen=100_000)
         self.iterations = 0
         self._t0 = time.monotonic()
         self.counters = {f"{k}_{s}": 0 for k in ("embedding", "generation")
                          for s in ("completed", "rejected", "aborted")}
+        return cfg
 
     # ----- requests --------------------------------------------------------------------------
     def now(self) -> float:
@@ -182,13 +185,16 @@ class Engine:
         return self._submit(req, "generation")
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.policy.abort(request_id, self.now())
+        req = self._drop(request_id)
         if req is None:
             return None
         self.counters[f"{req.kind.value}_aborted"] += 1
         return RequestOutput(request_id, req.kind.value, True, finish_reason="abort",
                              token_ids=req.payload.tokens[req.input_len:], text=req.payload.text,
                              prompt_tokens=req.input_len)
+
+    def _drop(self, request_id: str) -> Request | None:
+        return self.policy.abort(request_id, self.now())
 
     @property
     def has_work(self) -> bool:
@@ -239,28 +245,33 @@ class Engine:
         logits = self.model.logits(hidden[rows]).cpu()
         states = [it.request.payload for it in items]
         tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
-        eos = set(self.cfg.eos_token_ids)
         for item, state, tok in zip(items, states, tokens):
-            req = item.request
-            state.tokens.append(tok)
-            sampled[req.request_id] = tok
-            p = state.params
-            if (not p.ignore_eos and tok in eos) or tok in p.stop_token_ids:
-                state.finish_reason = "stop"
-                stopped.add(req.request_id)
-            if p.stop or not stopped:
-                text = self.tokenizer.decode(state.tokens[req.input_len:], skip_special_tokens=True)
-                for s in p.stop:
-                    at = text.find(s)
-                    if at >= 0:
-                        text = text[:at]
-                        state.finish_reason = "stop"
-                        stopped.add(req.request_id)
-                        break
-                state.text = text
-            if state.finish_reason is None and req.num_generated + 1 >= req.max_output_tokens:
-                state.finish_reason = "length"
+            sampled[item.request.request_id] = tok
+            if self._take_token(item.request, state, tok):
+                stopped.add(item.request.request_id)
         return sampled, stopped
+
+    def _take_token(self, req: Request, state: _State, tok: int) -> bool:
+        """Append a sampled token and update the text; True if it hit a stop (EOS, a stop id
+        or a stop string). Sets ``finish_reason`` once the request has ended either way."""
+        state.tokens.append(tok)
+        p = state.params
+        stop = (not p.ignore_eos and tok in self.cfg.eos_token_ids) or tok in p.stop_token_ids
+        if stop:
+            state.finish_reason = "stop"
+        if p.stop or not stop:
+            text = self.tokenizer.decode(state.tokens[req.input_len:], skip_special_tokens=True)
+            for s in p.stop:
+                at = text.find(s)
+                if at >= 0:
+                    text = text[:at]
+                    state.finish_reason = "stop"
+                    stop = True
+                    break
+            state.text = text
+        if state.finish_reason is None and len(state.tokens) - req.input_len >= req.max_output_tokens:
+            state.finish_reason = "length"
+        return stop
 
     def _outputs(self, batch: BatchUnit, sampled: dict[str, int]) -> list[RequestOutput]:
         out = []
@@ -295,6 +306,9 @@ class Engine:
             comp["decodes"], batch.total_tokens, batch.token_budget, self.policy.blocks.usage,
             comp["embed_tokens"] if self.adapter_name else 0,
             BatchShape.from_batch(batch, adapter=self.adapter_name is not None)))
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (nothing, for this one)."""
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> dict[str, RequestOutput]:
         final: dict[str, RequestOutput] = {}

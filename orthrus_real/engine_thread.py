@@ -79,7 +79,10 @@ class EngineThread:
             self._ready.set()
             return
         self._ready.set()
-        self._run()
+        try:
+            self._run()
+        finally:
+            self.engine.close()  # the vLLM backend's worker process, say
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()

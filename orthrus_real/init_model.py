@@ -19,10 +19,18 @@ SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, tokenizer_vocab=512,
                  tie_word_embeddings=False, torch_dtype="float32"),
+    # tiny64: the vLLM test model (vLLM's CPU attention needs head_dim 64 or more)
+    "tiny64": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=64, vocab_size=512, tokenizer_vocab=512,
+                   tie_word_embeddings=False, torch_dtype="float32"),
     # small: the CPU benchmark model (~100 M parameters, bf16)
     "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=32000,
                   tokenizer_vocab=8000, tie_word_embeddings=True, torch_dtype="bfloat16"),
+    # 1b: the GPU mix-benchmark model (TinyLlama-1.1B's shape, ~1.1 B parameters, bf16)
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+               tokenizer_vocab=8000, tie_word_embeddings=False, torch_dtype="bfloat16"),
 }
 FAMILIES = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=500000.0,

@@ -7,7 +7,7 @@ import time
 
 import uvicorn
 
-from orthrus_real.engine import Engine
+from orthrus_real import backends
 from orthrus_real.engine_thread import EngineThread
 from orthrus_real.metrics import EngineMetrics
 from orthrus_real.server import create_app
@@ -16,15 +16,11 @@ from orthrus_real.server import create_app
 def build(model: str, adapter: str | None = None, policy: str = "orthrus", scheduler=None,
           kv_cache_tokens: int = 32768, max_queued: int = 1024, max_body_bytes: int = 1 << 20,
           served_model_name: str | None = None, device: str | None = None, dtype: str | None = None,
-          pooling: str = "mean", threads: int = 0):
+          pooling: str = "mean", threads: int = 0, backend: str = "torch"):
     """Engine thread, metrics and app; the engine is ready when this returns."""
-    def make_engine() -> Engine:
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
-        return Engine(model, adapter_dir=adapter, policy=policy, scheduler=scheduler, device=device,
-                      dtype=dtype, kv_cache_tokens=kv_cache_tokens)
+    def make_engine():
+        return backends.make_engine(backend, model, adapter, policy, scheduler, kv_cache_tokens,
+                                    device, dtype, threads)
 
     runner = EngineThread(make_engine, max_queued=max_queued)
     metrics = EngineMetrics(lambda: runner.snapshot)

@@ -56,7 +56,7 @@ def _free_port() -> int:
 
 
 def run_in_process(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str | None,
-                   kv_cache_tokens: int, threads: int) -> dict:
+                   kv_cache_tokens: int, threads: int, backend: str = "torch") -> dict:
     """The engine in this process, driven without HTTP: the replica the simulator models."""
     from orthrus_real.serving import build
     from orthrus_sim.engine import SchedulerConfig
@@ -66,7 +66,7 @@ def run_in_process(sc: Scenario, configuration: str, model_dir: str, adapter_dir
     sched = SchedulerConfig(token_budget=s.token_budget, chunk_size=s.chunk_size,
                             max_num_seqs=s.max_num_seqs, block_size=s.block_size)
     app, runner = build(model_dir, adapter_dir, policy, sched, kv_cache_tokens, max_queued=10**6,
-                        threads=threads)
+                        threads=threads, backend=backend)
     try:
         doc = asyncio.run(bench_in_process(runner, app.state.metrics, sc, label=configuration))
     finally:
@@ -75,7 +75,7 @@ def run_in_process(sc: Scenario, configuration: str, model_dir: str, adapter_dir
 
 
 def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str | None,
-             kv_cache_tokens: int, threads: int, log: Path) -> dict:
+             kv_cache_tokens: int, threads: int, log: Path, backend: str = "torch") -> dict:
     """Start a server process with the configuration's policy, bench it, stop it."""
     policy = configuration.split(":", 1)[1] if configuration.startswith("unified:") else configuration
     port = _free_port()
@@ -84,7 +84,7 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
            "--policy", policy, "--token-budget", str(s.token_budget),
            "--chunk-size", str(s.chunk_size or s.token_budget), "--max-num-seqs", str(s.max_num_seqs),
            "--kv-cache-tokens", str(kv_cache_tokens), "--max-queued", "100000",
-           "--threads", str(threads)]
+           "--threads", str(threads), "--backend", backend]
     if adapter_dir:
         cmd += ["--embedding-adapter", adapter_dir]
     with log.open("w") as fh:
@@ -127,7 +127,7 @@ def compare(simulated: list[dict], measured: list[dict]) -> list[dict]:
 
 def validate(raw: dict, overrides: list[str], model_dir: str, adapter_dir: str | None,
              calibration: str, out: Path, kv_cache_tokens: int = 32768, threads: int = 2,
-             progress=None, via_server: bool = False) -> dict:
+             progress=None, via_server: bool = False, backend: str = "torch") -> dict:
     """``via_server``: measure through a server process and HTTP (adds the HTTP stack's CPU
     time, which the simulator does not model) instead of the engine in this process."""
     sc = real_scenario(raw, overrides, model_dir, adapter_dir, calibration, kv_cache_tokens)
@@ -141,9 +141,10 @@ def validate(raw: dict, overrides: list[str], model_dir: str, adapter_dir: str |
             progress(f"measuring {cfg} ({sc.duration_s or '?'} s)")
         if via_server:
             measured.append(run_real(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads,
-                                     out / f"server_{cfg.replace(':', '_')}.log"))
+                                     out / f"server_{cfg.replace(':', '_')}.log", backend))
         else:
-            measured.append(run_in_process(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads))
+            measured.append(run_in_process(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads,
+                                           backend))
     for name, runs in (("simulated", simulated), ("measured", measured)):
         (out / name).mkdir(exist_ok=True)
         (out / name / "results.json").write_text(json.dumps(

@@ -36,6 +36,7 @@ knobs = st.fixed_dictionaries({
     "block_size": st.sampled_from([4, 16]),
     "num_blocks": st.sampled_from([40, 200, 4000]),
     "waiting_work": st.sampled_from(["prompt", "prompt+output"]),
+    "max_num_embeds": st.sampled_from([None, 1, 3]),
 })
 
 
@@ -43,7 +44,8 @@ def config_from(k: dict) -> SchedulerConfig:
     chunk = k["token_budget"] if k["chunk"] == 1.0 else min(k["chunk"], k["token_budget"])
     return SchedulerConfig(token_budget=k["token_budget"], chunk_size=chunk,
                            max_num_seqs=k["max_num_seqs"], block_size=k["block_size"],
-                           num_blocks=k["num_blocks"], waiting_work=k["waiting_work"])
+                           num_blocks=k["num_blocks"], waiting_work=k["waiting_work"],
+                           max_num_embeds=k["max_num_embeds"])
 
 
 def invariant_checker(scheduled_tokens: dict[str, int], first_seen: list):
@@ -52,6 +54,8 @@ def invariant_checker(scheduled_tokens: dict[str, int], first_seen: list):
         assert batch.total_tokens <= cfg.token_budget
         assert sum(1 for it in batch.items if not it.request.is_embedding) <= cfg.max_num_seqs
         assert len(policy.running) <= cfg.max_num_seqs
+        if cfg.max_num_embeds is not None:  # the vLLM backend's request slots
+            assert sum(r.is_embedding for r in policy.holding.values()) <= cfg.max_num_embeds
         kinds = [it.kind for it in batch.items]
         assert kinds == sorted(kinds), "items not sorted by type"
         ids = [it.request.request_id for it in batch.items]

@@ -77,6 +77,21 @@ def test_embedding_holds_blocks_until_last_chunk():
     assert policy.blocks.num_used == 0 and req.chunks_done == 3
 
 
+def test_max_num_embeds_caps_embeddings_holding_blocks():
+    # budget for all three, but only two embedding slots: the third waits for a slot
+    policy = make_policy("orthrus", SchedulerConfig(token_budget=512, chunk_size=64,
+                                                    max_num_embeds=2))
+    for r in make_requests([("embedding", 0, 128, 0)] * 3):
+        policy.add(r)
+    batch = policy.schedule(0.0)
+    assert [it.request.request_id for it in batch.items] == ["r0", "r1"]
+    policy.complete(batch, 0.1)
+    batch = policy.schedule(0.1)  # r0, r1 finish their second chunks; r2 still has no slot
+    assert [it.request.request_id for it in batch.items] == ["r0", "r1"]
+    policy.complete(batch, 0.2)
+    assert [it.request.request_id for it in policy.schedule(0.2).items] == ["r2"]
+
+
 def test_decode_growth_preempts_newest_and_recomputes():
     # 6 blocks of 4 tokens: two 8-token prompts fill 4 blocks; decodes grow until one must go.
     policy = make_policy("generation", SchedulerConfig(token_budget=64, chunk_size=None,
@@ -152,6 +167,7 @@ def test_bad_request_names_the_field(kwargs, field):
     (dict(token_budget=64, chunk_size=128), "chunk_size"),
     (dict(num_blocks=0), "num_blocks"),
     (dict(waiting_work="all"), "waiting_work"),
+    (dict(max_num_embeds=0), "max_num_embeds"),
 ])
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -18,6 +18,8 @@ class SchedulerConfig:
         decode-slot cap. Embedding requests are bounded by the budget and the KV cache only:
         they hold blocks for a few iterations, and counting them against the decode slots
         would let long decodes block embeddings (head-of-line blocking).
+    max_num_embeds: most embedding requests holding KV blocks at once (``None``: no cap).
+        Executors with a fixed number of request slots per batch (vLLM's input batch) set it.
     block_size / num_blocks: the paged KV cache.
     waiting_work: how IBS counts a waiting generation request's remaining work: ``"prompt"``
         (prompt tokens only, the default) or ``"prompt+output"`` (plus its expected output).
@@ -27,6 +29,7 @@ class SchedulerConfig:
     token_budget: int = 4096
     chunk_size: int | None = 512
     max_num_seqs: int = 256
+    max_num_embeds: int | None = None
     block_size: int = 16
     num_blocks: int = 4096
     waiting_work: str = "prompt"
@@ -46,6 +49,8 @@ class SchedulerConfig:
                     f"scheduler.token_budget ({self.token_budget}): a chunk could never fit"
                 )
         positive("max_num_seqs", self.max_num_seqs)
+        if self.max_num_embeds is not None:
+            positive("max_num_embeds", self.max_num_embeds)
         positive("block_size", self.block_size)
         positive("num_blocks", self.num_blocks)
         if self.max_model_len is not None:

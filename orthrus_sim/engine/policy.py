@@ -289,12 +289,17 @@ class Policy:
         n = self._embed_chunk_len(req)
         if n > batch.budget_left:
             return 0  # chunks are never split to fit the budget
-        if req.state is RequestState.WAITING and not self._admit(req, req.input_len, now):
+        if req.state is RequestState.WAITING and (
+                self._embed_slots_full() or not self._admit(req, req.input_len, now)):
             return 0
         batch.add(req, ItemKind.EMBED_CHUNK, n)
         self._in_batch.add(req.request_id)
         self._embed_cursor += 1
         return n
+
+    def _embed_slots_full(self) -> bool:
+        cap = self.config.max_num_embeds
+        return cap is not None and sum(r.is_embedding for r in self.holding.values()) >= cap
 
     def _schedule_generation(self, batch: BatchUnit, now: float) -> int:
         """``schedule_one(Qg, B)``: admit the earliest waiting generation request, or 0."""

