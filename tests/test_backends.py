@@ -35,3 +35,11 @@ def test_calibrate_backend_vllm_without_vllm_says_so(tiny_models, tmp_path, monk
     res = CliRunner().invoke(app, ["calibrate", "--backend", "vllm", "--model",
                                    str(tiny_models["llama"]), "--out", str(tmp_path / "c.json")])
     assert res.exit_code == 2 and "vLLM 0.20.0 is not supported" in res.output
+
+
+@pytest.mark.parametrize("policy", ["prefill-only", "decode-only"])
+def test_vllm_backend_refuses_disaggregation_roles_before_starting(tiny_models, policy):
+    with pytest.raises(ValueError, match="disaggregated-serving role"):
+        backends.make_engine("vllm", str(tiny_models["llama"]), policy=policy)
+    with pytest.raises(ValueError, match="unknown policy|no policy"):
+        support.check_policy("nonesuch")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from orthrus_real.engine import Engine, RequestOutput
-from orthrus_real.vllm_backend.support import check_vllm, prepare_environment
+from orthrus_real.vllm_backend.support import check_policy, check_vllm, prepare_environment
 from orthrus_sim.engine import Request, SchedulerConfig
 from orthrus_sim.files import read_structured
 
@@ -32,6 +32,7 @@ class VllmEngine(Engine):
                  policy: str = "orthrus", scheduler: SchedulerConfig | None = None,
                  dtype: str | None = None, kv_cache_tokens: int = 32768,
                  max_num_embeds: int = 64, gpu_memory_utilization: float | None = None) -> None:
+        check_policy(policy)
         self.vllm_version = check_vllm()
         prepare_environment()
         cfg = self._open(model_dir, dtype)

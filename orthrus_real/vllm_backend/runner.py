@@ -13,6 +13,8 @@ with no sampled token, which is what vLLM's scheduler needs to finish a pooling 
 
 from __future__ import annotations
 
+import numpy as np
+
 from orthrus_real.vllm_backend.scheduler import pooling_options
 from orthrus_sim.engine import IncrementalPooler
 
@@ -64,7 +66,13 @@ class PoolingRowsMixin:
         return out
 
     def sample_tokens(self, grammar_output):
-        out = super().sample_tokens(grammar_output)
+        parked = self._park_discarded_generators()
+        try:
+            out = super().sample_tokens(grammar_output)
+        finally:
+            for i, (gen, state) in parked.items():
+                gen.set_state(state)
+                self.input_batch.generators[i] = gen
         if not self.orthrus_embedding_rows or not hasattr(out, "req_id_to_index"):
             return out
         pooled = list(out.pooler_output or [None] * len(out.req_ids))
@@ -78,6 +86,22 @@ class PoolingRowsMixin:
         out.pooler_output = pooled
         self.orthrus_embedding_rows = []
         return out
+
+
+    def _park_discarded_generators(self) -> dict:
+        """A seeded request's row sampled in a partial prefill is discarded, and vLLM rewinds
+        its generator with ``set_offset``, which CPU generators lack ("CPU Generator does not
+        use offset"). On CPU, take those generators out of the batch for this step and restore
+        their state afterwards: the same rewind."""
+        if self.device.type != "cpu":
+            return {}
+        gens = self.input_batch.generators
+        parked = {}
+        for i in np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0]:
+            gen = gens.pop(int(i), None)
+            if gen is not None:
+                parked[int(i)] = (gen, gen.get_state())
+        return parked
 
 
 def _greedy_placeholder():

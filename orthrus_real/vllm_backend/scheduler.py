@@ -22,6 +22,7 @@ from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from orthrus_real.vllm_backend.support import check_policy
 from orthrus_sim.engine import Request, RequestKind, SchedulerConfig, make_policy
 
 EMBEDDING_TASKS = ("embed", "token_embed")
@@ -62,7 +63,7 @@ class OrthrusScheduler(Scheduler):
             raise ValueError(
                 "additional_config.orthrus: max_num_seqs + max_num_embeds must be set and fit "
                 f"vLLM's max_num_seqs ({self.max_num_running_reqs}), the request slots of one batch")
-        self.policy = make_policy(opts.get("policy", "orthrus"), self.config)
+        self.policy = make_policy(check_policy(opts.get("policy", "orthrus")), self.config)
         self.last_batch = None  # the core's batch unit behind the latest SchedulerOutput
         self.last_output: SchedulerOutput | None = None  # kept for inspection (tests, stats)
         self._in_flight: dict[int, object] = {}

