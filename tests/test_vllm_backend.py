@@ -301,3 +301,30 @@ def test_seeded_sampling_does_not_depend_on_chunking(vengine):
     vengine.add_generation("crowded", token_ids=prompt, params=params)
     crowded = vengine.run_until_idle()["crowded"].token_ids
     assert crowded == alone and len(alone) == 12
+
+
+def test_segment_lora_ops_equal_vllms_and_skip_tokens_without_adapter():
+    import torch
+    from vllm.lora.ops import torch_ops as ref
+
+    from orthrus_real.vllm_backend import lora_cpu as seg
+
+    gen = torch.Generator().manual_seed(0)
+    T, d_in, r, d_out = 37, 24, 4, 40
+    x, xs = torch.randn(T, d_in, generator=gen), torch.randn(T, r, generator=gen)
+    a, b = torch.randn(2, 1, r, d_in, generator=gen), torch.randn(2, 1, d_out, r, generator=gen)
+    meta = (torch.tensor([0, 10, 15]), torch.tensor([10, 5, 22]), torch.tensor([0, 1, 0]), 3, 22, T)
+    for add in (False, True):
+        calls = [("sgmv_shrink", (x, a), (T, r), (0.5,)),
+                 ("sgmv_expand", (xs, b), (T, d_out), (add,)),
+                 ("sgmv_expand_slice", (xs, b), (T, d_out + 10), (5, d_out, add))]
+        for name, inputs, shape, tail in calls:
+            want = torch.randn(*shape, generator=gen)
+            got = want.clone()
+            getattr(ref, name)(*inputs, want, *meta, *tail)
+            getattr(seg, name)(*inputs, got, *meta, *tail)
+            assert torch.allclose(got, want, atol=1e-5), (name, add)
+    no_adapter = (meta[0], meta[1], torch.tensor([0, -1, 0]), 3, 22, T)
+    out = torch.zeros(T, d_out)
+    seg.sgmv_expand(xs, b, out, *no_adapter, True)
+    assert out[10:15].abs().max() == 0 and out[:10].abs().max() > 0

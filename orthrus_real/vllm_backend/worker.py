@@ -1,5 +1,6 @@
 """Worker classes (vLLM's ``worker_cls``) that put ``PoolingRowsMixin`` into the model runner
-the stock worker builds, on CPU and on GPU alike."""
+the stock worker builds, on CPU and on GPU alike; on CPU also the segment LoRA ops
+(``lora_cpu``)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ def install(runner) -> None:
 
 class OrthrusCPUWorker(CPUWorker):
     def init_device(self) -> None:
+        from orthrus_real.vllm_backend import lora_cpu
+
         super().init_device()
         install(self.model_runner)
+        lora_cpu.install()  # segment LoRA ops instead of per-token weight gathers
 
 
 class OrthrusGPUWorker(Worker):
