@@ -178,8 +178,11 @@ def _category(shape: BatchShape, point_category: str) -> str:
     return point_category if point_category != "mixed" else "prefill"
 
 
+ENGINE_NAMES = {"torch": "the PyTorch engine", "vllm": "vLLM with the Orthrus plug-in"}
+
+
 def fit(rows: list[dict], model_dir: str, adapter_rank: int | None, hardware: str = "cpu-2core",
-        holdout_every: int = 5) -> tuple[CalibrationFile, list[dict]]:
+        holdout_every: int = 5, backend: str = "torch") -> tuple[CalibrationFile, list[dict]]:
     """Fit group efficiencies and overheads; returns the calibration and per-row predictions."""
     hw = get_hardware(hardware)
     spec = get_model(model_dir)
@@ -203,7 +206,7 @@ def fit(rows: list[dict], model_dir: str, adapter_rank: int | None, hardware: st
         coefficients=coefficients_model(coeffs),
         source=SourceModel(
             description=(
-                f"orthrus-real calibrate: {len(rows)} whole iterations of the PyTorch engine "
+                f"orthrus-real calibrate: {len(rows)} whole iterations of {ENGINE_NAMES[backend]} "
                 f"(scheduling, forward, emit, completion) on {hw.name}: grid points of one kind "
                 "of batch each, plus every iteration of a mixed serving load (category 'load'); "
                 "fitted with "

@@ -157,7 +157,7 @@ def calibrate(
             from orthrus_sim.files import read_structured
 
             rank = read_structured(embedding_adapter / "adapter_config.json", "adapter config")["r"]
-        calibration, rows = cal.fit(rows, str(model), rank, hardware)
+        calibration, rows = cal.fit(rows, str(model), rank, hardware, backend=backend)
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None

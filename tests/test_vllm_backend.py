@@ -73,6 +73,8 @@ def test_embeddings_and_greedy_generations_equal_the_torch_engine(vengine, model
         else:
             assert g.token_ids == r.token_ids, rid
             assert g.finish_reason == r.finish_reason == "length"
+    # the policy inside vLLM keeps time on the engine's clock (arrivals vs. waiting times)
+    assert abs(vengine.scheduler.now() - vengine.now()) < 0.5
     # mixed batches really ran inside vLLM: embedding chunks next to generation rows
     mixed = [s for s in vengine.stats if s.embed_tokens and (s.decodes or s.prefill_tokens)]
     assert mixed and max(s.total_tokens for s in vengine.stats) <= SCHED.token_budget

@@ -66,6 +66,7 @@ class VllmEngine(Engine):
         self.core = EngineCore(self.vllm_config, Executor.get_class(self.vllm_config),
                                log_stats=False)
         self.scheduler = self.core.scheduler
+        self.scheduler.t0 = self._t0  # one clock for arrivals and the policy's timestamps
         self.policy = self.scheduler.policy  # one policy object: the core's, inside vLLM
         self.scheduler_config = self.policy.config
         self._live: dict[str, Request] = {}

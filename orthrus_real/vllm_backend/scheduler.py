@@ -67,7 +67,7 @@ class OrthrusScheduler(Scheduler):
         self.last_batch = None  # the core's batch unit behind the latest SchedulerOutput
         self.last_output: SchedulerOutput | None = None  # kept for inspection (tests, stats)
         self._in_flight: dict[int, object] = {}
-        self._t0 = time.monotonic()
+        self.t0 = time.monotonic()  # the policy's clock origin; VllmEngine sets its own
 
     def _refuse_unsupported(self) -> None:
         problems = []
@@ -87,7 +87,8 @@ class OrthrusScheduler(Scheduler):
             raise ValueError("OrthrusScheduler does not support " + ", ".join(problems))
 
     def now(self) -> float:
-        return time.monotonic() - self._t0
+        """Seconds on the clock the requests' arrival times use (Unified-Homo compares them)."""
+        return time.monotonic() - self.t0
 
     # ----- requests ------------------------------------------------------------------------
     def add_request(self, request) -> None:
