@@ -112,6 +112,11 @@ def test_one_step_carries_embedding_and_generation_rows(vengine):
     vengine.abort("gm")
 
 
+def test_unsupported_head_size_is_named_before_vllm_starts(tiny_models):
+    with pytest.raises(ValueError, match="head_dim 16 is not supported by vLLM's CPU attention"):
+        VllmEngine(tiny_models["llama"])
+
+
 def test_stop_string_abort_rejections_and_no_leaked_blocks(vengine):
     pool = vengine.scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()

@@ -36,6 +36,7 @@ class VllmEngine(Engine):
         self.vllm_version = check_vllm()
         prepare_environment()
         cfg = self._open(model_dir, dtype)
+        _check_head_size(cfg.head_dim, self.model_dir)
         base = scheduler or SchedulerConfig()
         self.adapter_name, self._lora = None, None
         engine_args: dict = {}
@@ -178,6 +179,22 @@ def _lora_request(adapter_dir: Path):
     if rank > LORA_RANKS[-1]:
         raise ValueError(f"{adapter_dir}: LoRA rank {rank} exceeds vLLM's largest, {LORA_RANKS[-1]}")
     return adapter_dir.name, LoRARequest(adapter_dir.name, 1, str(adapter_dir)), rank
+
+
+def _check_head_size(head_dim: int, model_dir: Path) -> None:
+    """vLLM's CPU attention kernel takes a fixed list of head sizes; say so before starting."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        raise ValueError(
+            f"{model_dir}: head_dim {head_dim} is not supported by vLLM's CPU attention (it takes "
+            f"{', '.join(map(str, sizes))}); use --backend torch, or a model such as "
+            "init-model --size tiny64")
 
 
 def _platform_block_size() -> int:
