@@ -54,6 +54,7 @@ class EngineThread:
         self.sinks: dict[str, Sink] = {}
         self.outstanding = 0  # accepted and not finished (read by the HTTP side)
         self.draining = False
+        self.failed: str | None = None  # why the engine stopped stepping, if it did
         self.snapshot: dict = {}
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -92,6 +93,8 @@ class EngineThread:
     # ----- called from other threads ---------------------------------------------------------
     def submit(self, kind: str, request_id: str, kwargs: dict, sink: Sink) -> None:
         with self._lock:
+            if self.failed:
+                raise Draining(f"the engine failed ({self.failed}); restart the server")
             if self.draining:
                 raise Draining("the server is shutting down and takes no new requests")
             if self.outstanding >= self.max_queued:
@@ -146,7 +149,11 @@ class EngineThread:
             if not engine.has_work:
                 self._publish()
                 continue
-            outputs: list[RequestOutput] = engine.step()
+            try:
+                outputs: list[RequestOutput] = engine.step()
+            except Exception as exc:  # e.g. vLLM's worker process died
+                self._fail(exc)
+                return
             for out in outputs:
                 sink = self.sinks.get(out.request_id)
                 if sink is not None:
@@ -156,6 +163,25 @@ class EngineThread:
             if self.on_step is not None:
                 self.on_step(engine)
             self._publish()
+
+    def _fail(self, exc: Exception) -> None:
+        """The engine cannot step any more: every request in flight or queued ends with the
+        error (the server answers 500), and new requests are refused (503)."""
+        with self._lock:
+            self.failed = f"{type(exc).__name__}: {exc}"
+        error = RuntimeError(f"engine failed: {self.failed}")
+        pending = list(self.sinks.items())
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] == "add":  # accepted (counted in outstanding), not yet in the engine
+                pending.append((msg[2], msg[4]))
+        for rid, sink in pending:
+            sink(error)
+            self._done(rid)
+        self._publish()
 
     def _publish(self) -> None:
         """A consistent picture of the engine for the metrics endpoint (read by other threads)."""

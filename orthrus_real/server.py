@@ -174,6 +174,9 @@ def create_app(runner: EngineThread, model_name: str, metrics: EngineMetrics | N
 
     @app.get("/health")
     async def health():
+        if runner.failed:
+            return error_response(503, f"engine failed: {runner.failed}", kind="server_error",
+                                  code="engine_failed")
         if runner.draining:
             return error_response(503, "draining", kind="server_error", code="draining")
         return {"status": "ok"}

@@ -230,3 +230,24 @@ def test_sigterm_drains_in_flight_requests(tiny_models, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_engine_failure_ends_requests_in_flight_and_refuses_new_ones(tiny_models):
+    url, runner = start_server(tiny_models["qwen2"], max_queued=16)
+    engine, real_step, steps = runner.engine, runner.engine.step, [0]
+
+    def failing_step():  # e.g. the vLLM backend's worker process dies mid-run
+        steps[0] += 1
+        if steps[0] > 3:
+            raise RuntimeError("worker process died")
+        return real_step()
+
+    engine.step = failing_step
+    body = {"prompt": [5, 6, 7], "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 500 and "engine failed: RuntimeError: worker process died" in r.text
+    health = httpx.get(url + "/health", timeout=5)
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_failed"
+    again = httpx.post(url + "/v1/embeddings", json={"input": "x"}, timeout=10)
+    assert again.status_code == 503 and "engine failed" in again.text
+    assert runner.outstanding == 0
