@@ -17,17 +17,14 @@ import time
 from pathlib import Path
 
 from orthrus_real.engine import Engine, RequestOutput
+from orthrus_real.model_files import read_adapter
 from orthrus_real.vllm_backend.support import check_policy, check_vllm, prepare_environment
 from orthrus_sim.engine import Request, SchedulerConfig
-from orthrus_sim.files import read_structured
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels accept
-DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 class VllmEngine(Engine):
-    backend = "vllm"
-
     def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None,
                  policy: str = "orthrus", scheduler: SchedulerConfig | None = None,
                  dtype: str | None = None, kv_cache_tokens: int = 32768,
@@ -41,7 +38,7 @@ class VllmEngine(Engine):
         self.adapter_name, self._lora = None, None
         engine_args: dict = {}
         if adapter_dir:
-            self.adapter_name, self._lora, rank = _lora_request(Path(adapter_dir))
+            self.adapter_name, self._lora, rank = _lora_request(Path(adapter_dir), cfg.num_layers)
             # Two slots for one adapter: vLLM's torch LoRA ops (its CPU path) index the weight
             # stack with -1 for "no adapter", which is the last slot. Kept empty, that slot
             # is zeros, so generation rows in a mixed batch get no LoRA; with one slot they
@@ -169,13 +166,12 @@ class VllmEngine(Engine):
         self.core.shutdown()
 
 
-def _lora_request(adapter_dir: Path):
+def _lora_request(adapter_dir: Path, num_layers: int):
+    """vLLM's LoRA request for the adapter, checked first as the PyTorch engine checks it
+    (config, tensors, target modules), so a bad adapter is named before vLLM starts."""
     from vllm.lora.request import LoRARequest
 
-    cfg = read_structured(adapter_dir / "adapter_config.json", "adapter config")
-    rank = cfg.get("r")
-    if not isinstance(rank, int) or rank <= 0:
-        raise ValueError(f"{adapter_dir}: adapter_config.json field 'r' must be a positive integer")
+    rank = read_adapter(adapter_dir, num_layers).rank
     if rank > LORA_RANKS[-1]:
         raise ValueError(f"{adapter_dir}: LoRA rank {rank} exceeds vLLM's largest, {LORA_RANKS[-1]}")
     return adapter_dir.name, LoRARequest(adapter_dir.name, 1, str(adapter_dir)), rank

@@ -87,7 +87,6 @@ class PoolingRowsMixin:
         self.orthrus_embedding_rows = []
         return out
 
-
     def _park_discarded_generators(self) -> dict:
         """A seeded request's row sampled in a partial prefill is discarded, and vLLM rewinds
         its generator with ``set_offset``, which CPU generators lack ("CPU Generator does not

@@ -25,8 +25,6 @@ from vllm.v1.request import RequestStatus
 from orthrus_real.vllm_backend.support import check_policy
 from orthrus_sim.engine import Request, RequestKind, SchedulerConfig, make_policy
 
-EMBEDDING_TASKS = ("embed", "token_embed")
-
 
 class AccountingError(RuntimeError):
     """The core's and vLLM's views of a request or of the KV cache disagree."""
