@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=2048,
                         help="budget of the unified engines (a small one keeps decode steps short); the "
              "single-task engines keep 2048")
-    parser.add_argument("--policies", default="orthrus,unified-hetero,unified-homo")
+    parser.add_argument("--policies", default="ibs,unified-hetero,unified-homo")
     parser.add_argument("--backend", default="torch", choices=("torch", "vllm"),
                         help="the PyTorch engine, or vLLM with the Orthrus plug-in (every "
                              "configuration, the single-task engines included, on that backend)")

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from orthrus_sim.engine import Request, SchedulerConfig, make_policy
 
-POLICIES = ["orthrus", "unified-hetero", "unified-homo", "generation", "embedding-only"]
+POLICIES = ["ibs", "unified-hetero", "unified-homo", "generation", "embedding-only"]
 
 
 def steady_replica(name: str):
@@ -61,7 +61,8 @@ def measure(name: str, seconds: float) -> tuple[float, float, float]:
         top_up(now)
         n += 1
     elapsed = time.perf_counter() - start
-    return n / elapsed, items / max(n, 1), len(policy.holding)
+    snap = policy.snapshot()
+    return n / elapsed, items / max(n, 1), snap.embeddings_running + snap.generations_running
 
 
 def main() -> None:

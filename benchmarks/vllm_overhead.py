@@ -81,7 +81,7 @@ def main() -> None:
     base = stock(str(args.model), reqs, args.repeats, args.token_budget)
     print(f"{args.requests} requests x {OUTPUT} tokens, budget {args.token_budget}")
     print(f"stock vLLM (its scheduler)        {base:8.1f} output tok/s")
-    for policy in ("generation", "orthrus"):
+    for policy in ("generation", "ibs"):
         rate = plugin(str(args.model), reqs, args.repeats, args.token_budget, policy)
         print(f"plug-in, policy {policy:<17} {rate:8.1f} output tok/s  ({rate / base:.2f}x stock)")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 BACKENDS = ("torch", "vllm")
 
 
-def make_engine(backend: str, model: str, adapter: str | None = None, policy: str = "orthrus",
+def make_engine(backend: str, model: str, adapter: str | None = None, policy: str = "ibs",
                 scheduler=None, kv_cache_tokens: int = 32768, device: str | None = None,
                 dtype: str | None = None, threads: int = 0,
                 gpu_memory_utilization: float | None = None):

@@ -242,7 +242,7 @@ def calibration_engine(model_dir: str, adapter_dir: str | None, token_budget: in
     from orthrus_real.metrics import EngineMetrics
 
     def make():
-        return make_engine(backend, model_dir, adapter_dir, "orthrus",
+        return make_engine(backend, model_dir, adapter_dir, "ibs",
                            SchedulerConfig(token_budget=token_budget, chunk_size=512),
                            kv_cache_tokens, threads=threads)
 

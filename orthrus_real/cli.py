@@ -54,7 +54,7 @@ BACKEND_HELP = ("torch (the PyTorch reference engine) | vllm (the vLLM plug-in; 
 def serve(
     model: Path = typer.Option(..., "--model", help="model directory (config.json, weights, tokenizer)"),
     embedding_adapter: Path = typer.Option(None, "--embedding-adapter", help="PEFT LoRA adapter directory"),
-    policy: str = typer.Option("orthrus", help="policy name or module:Class"),
+    policy: str = typer.Option("ibs", help="policy name (ibs: Orthrus's IBS) or module:Class"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8000),
     token_budget: int = typer.Option(2048),

@@ -1,7 +1,7 @@
 """The PyTorch reference engine: the shared core's policy, one packed forward pass per
 iteration, and the emit stage (sampler on generation rows, incremental pooler on embedding rows).
 
-    engine = Engine("models/tiny", adapter_dir="models/tiny/adapter", policy="orthrus")
+    engine = Engine("models/tiny", adapter_dir="models/tiny/adapter", policy="ibs")
     engine.add_embedding("e1", text="a query")
     engine.add_generation("g1", text="a prompt", params=SamplingParams(max_tokens=8))
     results = engine.run_until_idle()    # {request_id: RequestOutput}
@@ -69,6 +69,7 @@ class IterationStats:
     kv_usage: float
     lora_rows: int
     shape: BatchShape  # what the cost model needs of this batch (for calibration)
+    admitted: list[tuple[str, float]] = field(default_factory=list)  # (kind, admission wait s)
 
 
 @dataclass
@@ -86,7 +87,7 @@ class _State:
 
 class Engine:
     def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None,
-                 policy: str = "orthrus", scheduler: SchedulerConfig | None = None,
+                 policy: str = "ibs", scheduler: SchedulerConfig | None = None,
                  device: str | None = None, dtype: str | None = None,
                  kv_cache_tokens: int = 32768) -> None:
         cfg = self._open(model_dir, dtype)
@@ -301,11 +302,14 @@ class Engine:
     def _record(self, batch: BatchUnit, start: float) -> None:
         comp = batch.composition()
         self.iterations += 1
+        admitted = [(it.request.kind.value, it.request.admitted_at - it.request.arrival_time)
+                    for it in batch.items
+                    if it.request.admitted_at is not None and it.request.admitted_at >= start]
         self.stats.append(IterationStats(
             self.iterations, start, self.now() - start, comp["embed_tokens"], comp["prefill_tokens"],
             comp["decodes"], batch.total_tokens, batch.token_budget, self.policy.blocks.usage,
             comp["embed_tokens"] if self.adapter_name else 0,
-            BatchShape.from_batch(batch, adapter=self.adapter_name is not None)))
+            BatchShape.from_batch(batch, adapter=self.adapter_name is not None), admitted))
 
     def close(self) -> None:
         """Release what the engine holds outside this process (nothing, for this one)."""

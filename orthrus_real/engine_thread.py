@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 from orthrus_real.engine import Engine, RequestOutput
-from orthrus_sim.engine import RequestState
 
 Sink = Callable[[Any], None]  # receives RequestOutput objects, or an Exception
 
@@ -185,19 +184,10 @@ class EngineThread:
 
     def _publish(self) -> None:
         """A consistent picture of the engine for the metrics endpoint (read by other threads)."""
-        policy = self.engine.policy
-        depth = policy.queue_depth()
-        credits = getattr(policy, "credits", None)
         self.snapshot = {
             "time": time.time(),
-            "queue": depth,
-            "kv_blocks_used": policy.blocks.num_used,
-            "kv_blocks_total": policy.blocks.num_blocks,
+            "policy": self.engine.policy.snapshot(),
             "counters": dict(self.engine.counters),
             "iterations": self.engine.iterations,
-            "credits": None if credits is None else {"embedding": credits.embed,
-                                                     "generation": credits.gen},
             "outstanding": self.outstanding,
-            "running_requests": sum(1 for r in policy.requests.values()
-                                    if r.state is RequestState.RUNNING),
         }

@@ -25,6 +25,10 @@ class EngineMetrics:
         self.budget_fill = Histogram(
             "orthrus_budget_fill", "Fraction of the token budget one batch used",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=self.registry)
+        self.admission_wait = Histogram(
+            "orthrus_admission_wait_seconds", "Arrival to first scheduled token, by request kind",
+            ["kind"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                               60, 120), registry=self.registry)
         self._tokens = {"embed_chunk": 0, "prefill_chunk": 0, "decode": 0}
         self.registry.register(self)
 
@@ -36,33 +40,51 @@ class EngineMetrics:
         self._tokens["embed_chunk"] += s.embed_tokens
         self._tokens["prefill_chunk"] += s.prefill_tokens
         self._tokens["decode"] += s.decodes
+        for kind, wait in s.admitted:
+            self.admission_wait.labels(kind).observe(wait)
+
+    @staticmethod
+    def _policy_families(p):
+        """Gauges and counters from the policy's snapshot (``PolicySnapshot``)."""
+        depth = GaugeMetricFamily("orthrus_queue_depth", "Requests waiting for admission", labels=["kind"])
+        depth.add_metric(["embedding"], p.embeddings_waiting)
+        depth.add_metric(["generation"], p.generations_waiting)
+        yield depth
+        running = GaugeMetricFamily("orthrus_running", "Requests holding KV blocks", labels=["kind"])
+        running.add_metric(["embedding"], p.embeddings_running)
+        running.add_metric(["generation"], p.generations_running)
+        yield running
+        work = GaugeMetricFamily("orthrus_waiting_work_tokens",
+                                 "Remaining work IBS weighs each queue with (we, wg)", labels=["kind"])
+        work.add_metric(["embedding"], p.embedding_work)
+        work.add_metric(["generation"], p.generation_work)
+        yield work
+        yield GaugeMetricFamily("orthrus_kv_blocks_used", "KV-cache blocks allocated",
+                                value=p.kv_blocks_used)
+        yield GaugeMetricFamily("orthrus_kv_blocks_total", "KV-cache blocks in the pool",
+                                value=p.kv_blocks_total)
+        yield GaugeMetricFamily("orthrus_kv_cache_usage", "Fraction of KV blocks allocated",
+                                value=p.kv_usage)
+        if p.credits is not None:
+            g = GaugeMetricFamily("orthrus_ibs_credits", "IBS credits in tokens (persist across "
+                                  "iterations)", labels=["queue"])
+            for k, v in p.credits.items():
+                g.add_metric([k], v)
+            yield g
+        pre = CounterMetricFamily("orthrus_preemptions", "Recompute preemptions, by request kind",
+                                  labels=["kind"])
+        for k, v in p.preemptions.items():
+            pre.add_metric([k], v)
+        yield pre
 
     def describe(self):
         return []
 
     def collect(self):
         snap = self.source()
-        q = snap.get("queue", {})
-        depth = GaugeMetricFamily("orthrus_queue_depth", "Requests waiting for admission", labels=["kind"])
-        depth.add_metric(["embedding"], q.get("embedding_waiting", 0))
-        depth.add_metric(["generation"], q.get("generation_waiting", 0))
-        yield depth
-        running = GaugeMetricFamily("orthrus_running", "Requests holding KV blocks", labels=["kind"])
-        running.add_metric(["embedding"], q.get("embedding_running", 0))
-        running.add_metric(["generation"], q.get("generation_running", 0))
-        yield running
-        used, total = snap.get("kv_blocks_used", 0), snap.get("kv_blocks_total", 1)
-        yield GaugeMetricFamily("orthrus_kv_blocks_used", "KV-cache blocks allocated", value=used)
-        yield GaugeMetricFamily("orthrus_kv_blocks_total", "KV-cache blocks in the pool", value=total)
-        yield GaugeMetricFamily("orthrus_kv_cache_usage", "Fraction of KV blocks allocated",
-                                value=used / max(total, 1))
-        credits = snap.get("credits")
-        if credits is not None:
-            g = GaugeMetricFamily("orthrus_ibs_credits", "IBS credits (persist across iterations)",
-                                  labels=["queue"])
-            for k, v in credits.items():
-                g.add_metric([k], v)
-            yield g
+        policy = snap.get("policy")
+        if policy is not None:
+            yield from self._policy_families(policy)
         tokens = CounterMetricFamily("orthrus_batch_tokens_by_type", "Tokens scheduled, by item type",
                                      labels=["type"])
         for k, v in self._tokens.items():

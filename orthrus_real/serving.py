@@ -13,7 +13,7 @@ from orthrus_real.metrics import EngineMetrics
 from orthrus_real.server import create_app
 
 
-def build(model: str, adapter: str | None = None, policy: str = "orthrus", scheduler=None,
+def build(model: str, adapter: str | None = None, policy: str = "ibs", scheduler=None,
           kv_cache_tokens: int = 32768, max_queued: int = 1024, max_body_bytes: int = 1 << 20,
           served_model_name: str | None = None, device: str | None = None, dtype: str | None = None,
           pooling: str = "mean", threads: int = 0, backend: str = "torch"):

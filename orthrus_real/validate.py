@@ -16,6 +16,7 @@ from orthrus_real.serving import wait_healthy
 from orthrus_sim.files import read_structured
 from orthrus_sim.runner import SCHEMA, scenario_dump
 from orthrus_sim.scenario import Scenario, parse_scenario
+from orthrus_sim.sim.cluster import unified_policy
 from orthrus_sim.sim.run import simulate
 
 UNIFIED = ("orthrus", "unified-hetero", "unified-homo")
@@ -61,7 +62,7 @@ def run_in_process(sc: Scenario, configuration: str, model_dir: str, adapter_dir
     from orthrus_real.serving import build
     from orthrus_sim.engine import SchedulerConfig
 
-    policy = configuration.split(":", 1)[1] if configuration.startswith("unified:") else configuration
+    policy = unified_policy(configuration, sc.scheduler.policy)
     s = sc.scheduler
     sched = SchedulerConfig(token_budget=s.token_budget, chunk_size=s.chunk_size,
                             max_num_seqs=s.max_num_seqs, block_size=s.block_size)
@@ -77,7 +78,7 @@ def run_in_process(sc: Scenario, configuration: str, model_dir: str, adapter_dir
 def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str | None,
              kv_cache_tokens: int, threads: int, log: Path, backend: str = "torch") -> dict:
     """Start a server process with the configuration's policy, bench it, stop it."""
-    policy = configuration.split(":", 1)[1] if configuration.startswith("unified:") else configuration
+    policy = unified_policy(configuration, sc.scheduler.policy)
     port = _free_port()
     s = sc.scheduler
     cmd = [sys.executable, "-m", "orthrus_real.cli", "serve", "--model", model_dir, "--port", str(port),

@@ -4,15 +4,15 @@ from orthrus_sim.engine import Policy
 
 
 class ShortestEmbeddingFirst(Policy):
-    """Decodes first, then embeddings shortest-first, then generation prompts FCFS."""
+    """Running work first, then embeddings shortest-first, then generation prompts FCFS."""
 
     name = "shortest-embedding-first"
 
-    def _fill(self, batch, now):
-        self._schedule_running(batch)
-        for req in sorted(self.embed_queue, key=lambda r: r.num_uncomputed):
-            self._embed_cursor = list(self.embed_queue).index(req)
-            if self._schedule_embedding(batch, now) == 0:
+    def fill(self, batch, now):
+        self.schedule_running(batch)
+        for req in sorted(self.embeddings(), key=lambda r: r.num_uncomputed):
+            if self.schedule_embedding(batch, req, now) == 0:
                 break
-        while self._schedule_generation(batch, now):
-            pass
+        for req in self.waiting_generations():
+            if self.schedule_generation(batch, req, now) == 0:
+                break

@@ -21,16 +21,23 @@ def drive(
     requests: list[Request],
     check: Callable[[Policy, BatchUnit, float], None] | None = None,
     max_iterations: int = 200_000,
+    aborts: dict[int, list[str]] | None = None,
 ) -> list[BatchUnit]:
-    """Add requests at their arrival times and step until everything finished."""
+    """Add requests at their arrival times and step until everything finished.
+
+    ``aborts`` maps an iteration number to request ids aborted just before it is scheduled.
+    """
     pending = sorted(requests, key=lambda r: r.arrival_time)
     batches: list[BatchUnit] = []
     now = 0.0
     i = 0
+    aborts = aborts or {}
     while i < len(pending) or policy.has_work:
         while i < len(pending) and pending[i].arrival_time <= now:
             policy.add(pending[i], now)
             i += 1
+        for rid in aborts.get(len(batches), ()):
+            policy.abort(rid, now)
         batch = policy.schedule(now)
         if check is not None:
             check(policy, batch, now)
@@ -43,5 +50,5 @@ def drive(
         now += 1.0
         policy.complete(batch, now)
         if len(batches) > max_iterations:
-            raise AssertionError("too many iterations")
+            raise AssertionError(f"more than {max_iterations} iterations")
     return batches

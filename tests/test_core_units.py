@@ -21,7 +21,7 @@ from tests.helpers import drive, make_requests
 
 def test_ibs_worked_example_interleaves_by_remaining_work():
     # Qe holds 3 x 128 = 384 tokens, Qg holds 1 x 128: IBS gives embeddings 3 turns per 1.
-    policy = make_policy("orthrus", SchedulerConfig(token_budget=512, chunk_size=128))
+    policy = make_policy("ibs", SchedulerConfig(token_budget=512, chunk_size=128))
     reqs = make_requests([("embedding", 0, 128, 0)] * 3 + [("generation", 0, 128, 4)])
     for r in reqs:
         policy.add(r)
@@ -34,7 +34,7 @@ def test_ibs_worked_example_interleaves_by_remaining_work():
 
 
 def test_chunk_that_does_not_fit_is_not_split():
-    policy = make_policy("orthrus", SchedulerConfig(token_budget=100, chunk_size=64))
+    policy = make_policy("ibs", SchedulerConfig(token_budget=100, chunk_size=64))
     for r in make_requests([("embedding", 0, 64, 0), ("embedding", 0, 64, 0)]):
         policy.add(r)
     batch = policy.schedule(0.0)
@@ -44,12 +44,12 @@ def test_chunk_that_does_not_fit_is_not_split():
 def test_head_of_line_unified_hetero_blocks_embeddings_orthrus_does_not():
     spec = [("generation", 0, 256, 8)] * 40 + [("embedding", 0, 128, 0)] * 40
     first_embed = {}
-    for name in ("unified-hetero", "orthrus"):
+    for name in ("unified-hetero", "ibs"):
         policy = make_policy(name, SchedulerConfig(token_budget=1024, chunk_size=256))
         batches = drive(policy, make_requests(spec))
         first_embed[name] = next(i for i, b in enumerate(batches)
                                  if b.tokens_of(ItemKind.EMBED_CHUNK))
-    assert first_embed["orthrus"] == 0
+    assert first_embed["ibs"] == 0
     assert first_embed["unified-hetero"] >= 9  # waits behind all 40 prompts (10 batches)
 
 
@@ -65,7 +65,7 @@ def test_unified_homo_never_mixes():
 
 
 def test_embedding_holds_blocks_until_last_chunk():
-    policy = make_policy("orthrus", SchedulerConfig(token_budget=64, chunk_size=32, block_size=16))
+    policy = make_policy("ibs", SchedulerConfig(token_budget=64, chunk_size=32, block_size=16))
     (req,) = make_requests([("embedding", 0, 80, 0)])
     policy.add(req)
     held = []
@@ -79,7 +79,7 @@ def test_embedding_holds_blocks_until_last_chunk():
 
 def test_max_num_embeds_caps_embeddings_holding_blocks():
     # budget for all three, but only two embedding slots: the third waits for a slot
-    policy = make_policy("orthrus", SchedulerConfig(token_budget=512, chunk_size=64,
+    policy = make_policy("ibs", SchedulerConfig(token_budget=512, chunk_size=64,
                                                     max_num_embeds=2))
     for r in make_requests([("embedding", 0, 128, 0)] * 3):
         policy.add(r)
@@ -98,14 +98,14 @@ def test_decode_growth_preempts_newest_and_recomputes():
                                                        block_size=4, num_blocks=6))
     reqs = make_requests([("generation", 0, 8, 10), ("generation", 0, 8, 10)])
     drive(policy, reqs)
-    assert policy.num_preemptions >= 1
+    assert policy.preemptions["generation"] >= 1
     assert reqs[1].num_preemptions >= 1 and reqs[0].num_preemptions == 0  # newest goes
     assert all(r.state is RequestState.FINISHED and r.num_generated == 10 for r in reqs)
     assert policy.blocks.num_used == 0
 
 
 def test_abort_frees_blocks_everywhere():
-    policy = make_policy("orthrus", SchedulerConfig(token_budget=64, chunk_size=32))
+    policy = make_policy("ibs", SchedulerConfig(token_budget=64, chunk_size=32))
     reqs = make_requests([("embedding", 0, 100, 0), ("generation", 0, 40, 50),
                           ("generation", 0, 40, 50)])
     for r in reqs:
@@ -154,6 +154,17 @@ def test_rejections_carry_a_reason():
     (dict(kind="generation", max_output_tokens=0), "max_output_tokens"),
     (dict(pooling="median"), "pooling head"),
     (dict(kind="audio"), "kind"),
+    (dict(kind=None), "kind"),
+    (dict(arrival_time=float("nan")), "arrival_time"),
+    (dict(arrival_time=None), "arrival_time"),
+    (dict(arrival_time=-1.0), "arrival_time"),
+    (dict(arrival_time=True), "arrival_time"),
+    (dict(input_len=True), "input_len"),
+    (dict(input_len=4.0), "input_len"),
+    (dict(kind="generation", max_output_tokens=True), "max_output_tokens"),
+    (dict(kind="generation", max_output_tokens=4, expected_output_tokens="many"),
+     "expected_output_tokens"),
+    (dict(request_id=""), "request_id"),
 ])
 def test_bad_request_names_the_field(kwargs, field):
     base = dict(request_id="x", kind="embedding", arrival_time=0.0, input_len=4)
@@ -223,3 +234,90 @@ def test_block_manager_bad_sizes():
 def test_request_kind_enum_roundtrip():
     r = Request("a", "generation", 0.0, 3, max_output_tokens=2)
     assert r.kind is RequestKind.GENERATION and r.remaining_work(True) == 4
+
+
+def test_request_accepts_numpy_numbers():
+    r = Request("a", "generation", np.float64(1.5), np.int64(3), max_output_tokens=np.int32(2))
+    assert (r.arrival_time, r.input_len, r.max_output_tokens) == (1.5, 3, 2)
+    assert type(r.input_len) is int
+
+
+@pytest.mark.parametrize("end", ["finish", "abort", "reject"])
+def test_add_refuses_a_request_that_already_ended(end):
+    """Defect: a finished embedding yielded a 0-token item every iteration (has_work stayed
+    true), an aborted one a 10-token item with no blocks, a finished generation made every
+    schedule() raise."""
+    policy = make_policy("ibs", SchedulerConfig(token_budget=64, chunk_size=32))
+    (req,) = make_requests([("embedding", 0, 10, 0)])
+    if end == "finish":
+        policy.add(req)
+        policy.complete(policy.schedule(), 1.0)
+        assert req.state is RequestState.FINISHED
+    elif end == "abort":
+        policy.add(req)
+        policy.abort(req.request_id)
+    else:
+        req.reject("no")
+    with pytest.raises(ValueError, match="only a waiting request can be added"):
+        make_policy("ibs").add(req)
+    assert not policy.has_work and not policy.schedule()
+
+
+def test_embedding_queue_follows_arrival_order_not_add_order():
+    """Defect: the embedding queue followed add order; a request added late with an early
+    arrival was served after later ones (the generation queue was already sorted)."""
+    policy = make_policy("ibs", SchedulerConfig(token_budget=64, chunk_size=64))
+    reqs = make_requests([("embedding", t, 64, 0) for t in (1.0, 2.0, 10.0, 0.5, 0.8)])
+    for r in reqs:
+        policy.add(r, 10.0)
+    assert [r.arrival_time for r in policy.embeddings()] == [0.5, 0.8, 1.0, 2.0, 10.0]
+    first = policy.schedule(10.0)
+    assert first.items[0].request.arrival_time == 0.5
+
+
+def test_pooler_copies_what_it_keeps():
+    """Defect: CLS/last/buffer kept references to the caller's array; a caller that reuses its
+    buffer changed an embedding already pooled ([4, 5] instead of [0, 1])."""
+    h = np.arange(8.0).reshape(4, 2)
+    for head, expected in (("cls", [0, 1]), ("last", [6, 7])):
+        buf = h[0:2].copy()
+        pooler = IncrementalPooler(head)
+        pooler.update(buf)
+        buf[:] = h[2:4]
+        pooler.update(buf)
+        if head == "cls":
+            buf[:] = -1  # the caller reuses its buffer after the last chunk too
+        np.testing.assert_array_equal(pooler.result(), expected)
+    buf = h[0:2].copy()
+    pooler = IncrementalPooler("buffer", fn=lambda m: m.sum(0))
+    pooler.update(buf)
+    buf[:] = 100
+    pooler.update(h[2:4])
+    np.testing.assert_array_equal(pooler.result(), h.sum(0))
+
+
+def test_pooler_does_not_keep_a_torch_batch_alive():
+    torch = pytest.importorskip("torch")
+    batch = torch.arange(12.0).reshape(6, 2)
+    pooler = IncrementalPooler("last")
+    pooler.update(batch[1:3])
+    kept = pooler.result()
+    assert kept.untyped_storage().nbytes() == 2 * 4  # its own row, not the 6-row batch
+    batch[2] = -1
+    assert kept.tolist() == [4.0, 5.0]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_l2_normalisation_does_not_overflow_or_divide_zero(dtype):
+    """Defect: fp16 [300, 400] normalised to [0, 0] (the square overflows) and a zero row
+    gave NaN."""
+    from orthrus_sim.engine import l2_normalize
+
+    np.testing.assert_allclose(l2_normalize(np.array([300, 400], dtype=dtype)), [0.6, 0.8],
+                               rtol=1e-6)
+    zero = l2_normalize(np.zeros(3, dtype=dtype))
+    assert not np.isnan(zero).any() and (zero == 0).all()
+    for head in ("cls", "last"):
+        pooler = IncrementalPooler(head, normalize=True)
+        pooler.update(np.array([[300, 400]], dtype=dtype))
+        np.testing.assert_allclose(pooler.result(), [0.6, 0.8], rtol=1e-6)

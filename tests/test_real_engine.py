@@ -17,7 +17,7 @@ from orthrus_real.sampling import SamplingParams  # noqa: E402
 from orthrus_sim.engine import POLICIES, Request, RequestKind, SchedulerConfig, pool  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2")
-MIXED_POLICIES = ("orthrus", "unified-hetero", "unified-homo")
+MIXED_POLICIES = ("ibs", "unified-hetero", "unified-homo")
 
 
 def hf_model(path, merge_adapter=False):
@@ -113,7 +113,7 @@ def test_chunked_embeddings_equal_single_pass(tiny_models, head):
         refs = [pool(ref_model.model(torch.tensor([x])).last_hidden_state[0].numpy(), head, True)
                 for x in ids]
     for chunk in (4, 16, 128):
-        for policy in ("orthrus", "unified-hetero", "unified-homo"):
+        for policy in ("ibs", "unified-hetero", "unified-homo"):
             eng = Engine(path, adapter_dir=path / "adapter", policy=policy,
                          scheduler=SchedulerConfig(token_budget=128, chunk_size=chunk))
             for i, x in enumerate(ids):
@@ -135,7 +135,7 @@ def test_preemption_recomputes_and_abort_frees_blocks(tiny_models):
     for i in range(4):
         greedy(tight, f"g{i}", prompt_ids(30, seed=i), n=40)
     got = {k: v.token_ids for k, v in tight.run_until_idle().items()}
-    assert tight.policy.num_preemptions > 0
+    assert tight.policy.preemptions["generation"] > 0
     assert got == expected
     assert tight.policy.blocks.num_used == 0
     greedy(tight, "x", prompt_ids(30), n=40)

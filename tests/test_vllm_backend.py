@@ -140,7 +140,7 @@ def test_stop_string_abort_rejections_and_no_leaked_blocks(vengine):
         vengine.add_generation("long", token_ids=[5] * 1010, params=greedy)
     with pytest.raises(ValueError, match="token ids must be integers"):
         vengine.add_embedding("bad", token_ids=[5, 99999])
-    assert not vengine.scheduler.requests and not vengine.policy.requests
+    assert not vengine.scheduler.requests and not vengine.policy.live()
     assert pool.get_num_free_blocks() == free_before and vengine.policy.blocks.num_used == 0
 
 
@@ -154,7 +154,7 @@ def test_preemption_mirrors_into_vllm_and_keeps_greedy_outputs(model64):
         for i, p in enumerate(prompts):
             eng.add_generation(f"g{i}", token_ids=p, params=params)
         got = eng.run_until_idle()
-        assert eng.policy.num_preemptions > 0
+        assert eng.policy.preemptions["generation"] > 0
         ref = torch_engine(model64, adapter=False, scheduler=small)
         for i, p in enumerate(prompts):
             ref.add_generation(f"g{i}", token_ids=p, params=params)
@@ -238,7 +238,7 @@ def tight_engines(model64):
     cfg = SchedulerConfig(token_budget=128, chunk_size=32, max_num_seqs=6, max_model_len=512)
     engines = {p: VllmEngine(model64, adapter_dir=model64 / "adapter", policy=p, scheduler=cfg,
                              kv_cache_tokens=768, max_num_embeds=4)
-               for p in ("orthrus", "unified-homo")}
+               for p in ("ibs", "unified-homo")}
     yield engines
     for e in engines.values():
         e.close()
@@ -282,7 +282,8 @@ def test_core_and_vllm_agree_at_every_step(tight_engines):
                 if o.finished:
                     finished[o.request_id] = o
             assert pool.get_num_free_blocks() >= eng.policy.blocks.num_free
-            for rid, core in eng.policy.requests.items():
+            for core in eng.policy.live():
+                rid = core.request_id
                 assert eng.scheduler.requests[rid].num_computed_tokens == core.num_computed
                 held = eng.scheduler.kv_cache_manager.get_block_ids(rid)[0]
                 assert len(held) <= len(eng.policy.blocks.tables.get(rid, ()))

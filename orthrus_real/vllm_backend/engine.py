@@ -26,7 +26,7 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA ker
 
 class VllmEngine(Engine):
     def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None,
-                 policy: str = "orthrus", scheduler: SchedulerConfig | None = None,
+                 policy: str = "ibs", scheduler: SchedulerConfig | None = None,
                  dtype: str | None = None, kv_cache_tokens: int = 32768,
                  max_num_embeds: int = 64, gpu_memory_utilization: float | None = None) -> None:
         check_policy(policy)
@@ -107,7 +107,7 @@ class VllmEngine(Engine):
                                                          "orthrus_normalize": req.normalize})
 
     def _drop(self, request_id: str) -> Request | None:
-        req = self.policy.requests.get(request_id)
+        req = self.policy.get(request_id)
         if req is None:
             return None
         self.core.abort_requests([request_id])  # vLLM frees its blocks, the core its own

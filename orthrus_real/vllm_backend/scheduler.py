@@ -61,7 +61,7 @@ class OrthrusScheduler(Scheduler):
             raise ValueError(
                 "additional_config.orthrus: max_num_seqs + max_num_embeds must be set and fit "
                 f"vLLM's max_num_seqs ({self.max_num_running_reqs}), the request slots of one batch")
-        self.policy = make_policy(check_policy(opts.get("policy", "orthrus")), self.config)
+        self.policy = make_policy(check_policy(opts.get("policy", "ibs")), self.config)
         self.last_batch = None  # the core's batch unit behind the latest SchedulerOutput
         self.last_output: SchedulerOutput | None = None  # kept for inspection (tests, stats)
         self._in_flight: dict[int, object] = {}
@@ -92,7 +92,7 @@ class OrthrusScheduler(Scheduler):
     def add_request(self, request) -> None:
         """vLLM's queues plus the core's; a request the core already holds (the in-process
         engine adds it there first, to reject with a reason) is linked, not added twice."""
-        core = self.policy.requests.get(request.request_id)
+        core = self.policy.get(request.request_id)
         if core is None:
             core = core_request(request, self.now())
             if not self.policy.add(core, self.now()):
@@ -111,7 +111,7 @@ class OrthrusScheduler(Scheduler):
         self.kv_cache_manager.new_step_starts()
         batch = self.policy.schedule(self.now())
         stamp = time.monotonic()
-        for vreq in [r for r in self.running if r.request_id not in self.policy.holding]:
+        for vreq in [r for r in self.running if not self.policy.holds_kv(r.request_id)]:
             self.running.remove(vreq)  # the core preempted it (recompute): mirror that
             self._preempt_request(vreq, stamp)
 
@@ -171,7 +171,7 @@ class OrthrusScheduler(Scheduler):
                  if (r := self.requests.get(rid)) is None or r.is_finished()}
         self.policy.complete(batch, self.now(), ended)
         for rid in ended:  # ended in vLLM for a reason the core does not model (max_model_len)
-            if rid in self.policy.requests:
+            if self.policy.get(rid) is not None:
                 self.policy.abort(rid, self.now())
         return outputs
 

@@ -15,36 +15,38 @@ class UnifiedHeteroPolicy(Policy):
 
     name = "unified-hetero"
 
-    def _fill(self, batch: BatchUnit, now: float) -> None:
-        self._schedule_running(batch)
-        self._fill_fcfs(batch, now, _BOTH)
+    def fill(self, batch: BatchUnit, now: float) -> None:
+        self.schedule_running(batch)
+        self.fill_fcfs(batch, now, _BOTH)
 
 
 class UnifiedHomoPolicy(Policy):
     """Every iteration is all-embedding or all-generation.
 
     The side whose oldest ready request has waited longest goes first (a running decode is
-    ready from the end of its last iteration), so the two sides alternate by FCFS; if the chosen
-    side cannot schedule anything (memory full), the other side runs instead.
+    ready from the end of its last iteration), so the two sides alternate by FCFS; requests
+    ready at the same time go by arrival order (neither kind is preferred). If the chosen side
+    cannot schedule anything (memory full), the other side runs instead.
     """
 
     name = "unified-homo"
 
-    def _fill(self, batch: BatchUnit, now: float) -> None:
-        e_since = min((r.ready_since for r in self.embed_queue), default=None)
-        g_candidates = [r.ready_since for r in self.running]
-        if self.gen_queue:
-            g_candidates.append(self.gen_queue[0].ready_since)
-        g_since = min(g_candidates, default=None)
-        if e_since is None and g_since is None:
+    def fill(self, batch: BatchUnit, now: float) -> None:
+        e_key = min(((r.ready_since, r.order) for r in self._embeddings), default=None)
+        g_keys = [(r.ready_since, r.order) for r in self._running]
+        if self._waiting_gen:
+            head = self._waiting_gen[0]
+            g_keys.append((head.ready_since, head.order))
+        g_key = min(g_keys, default=None)
+        if e_key is None and g_key is None:
             return
-        embed_first = g_since is None or (e_since is not None and e_since <= g_since)
+        embed_first = g_key is None or (e_key is not None and e_key < g_key)
         for embed_side in ((True, False) if embed_first else (False, True)):
             if embed_side:
-                self._fill_fcfs(batch, now, (RequestKind.EMBEDDING,))
+                self.fill_fcfs(batch, now, (RequestKind.EMBEDDING,))
             else:
-                self._schedule_running(batch)
-                self._fill_fcfs(batch, now, (RequestKind.GENERATION,))
+                self.schedule_running(batch)
+                self.fill_fcfs(batch, now, (RequestKind.GENERATION,))
             if batch:
                 return
 
@@ -55,8 +57,8 @@ class EmbeddingOnlyPolicy(Policy):
     name = "embedding-only"
     serves = (RequestKind.EMBEDDING,)
 
-    def _fill(self, batch: BatchUnit, now: float) -> None:
-        self._fill_fcfs(batch, now, (RequestKind.EMBEDDING,))
+    def fill(self, batch: BatchUnit, now: float) -> None:
+        self.fill_fcfs(batch, now, (RequestKind.EMBEDDING,))
 
 
 class GenerationPolicy(Policy):
@@ -65,9 +67,9 @@ class GenerationPolicy(Policy):
     name = "generation"
     serves = (RequestKind.GENERATION,)
 
-    def _fill(self, batch: BatchUnit, now: float) -> None:
-        self._schedule_running(batch)
-        self._fill_fcfs(batch, now, (RequestKind.GENERATION,))
+    def fill(self, batch: BatchUnit, now: float) -> None:
+        self.schedule_running(batch)
+        self.fill_fcfs(batch, now, (RequestKind.GENERATION,))
 
 
 class PrefillOnlyPolicy(UnifiedHeteroPolicy):

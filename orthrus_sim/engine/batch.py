@@ -51,12 +51,20 @@ class BatchItem:
 
 @dataclass
 class BatchUnit:
+    """The items of one iteration. ``reserve`` sets tokens of the budget aside for one request
+    (a budget claim, docs/scheduler.md): ``budget_left`` excludes them for everyone else, and
+    ``budget_for`` that request includes them."""
+
     token_budget: int
     items: list[BatchItem] = field(default_factory=list)
     total_tokens: int = 0
+    reserved: int = 0
+    reserved_for: str | None = None
     _sorted: bool = field(default=True, repr=False)
 
     def add(self, request: Request, kind: ItemKind, num_tokens: int) -> BatchItem:
+        if request.request_id == self.reserved_for:
+            self.reserve(None, 0)  # the claimant takes its reserved tokens
         item = BatchItem(request, kind, request.num_computed, num_tokens)
         if self.items and self.items[-1].kind > kind:
             self._sorted = False
@@ -64,8 +72,14 @@ class BatchUnit:
         self.total_tokens += num_tokens
         return item
 
+    def reserve(self, request_id: str | None, num_tokens: int) -> None:
+        """Set ``num_tokens`` of the budget aside for ``request_id`` (None: release)."""
+        self.reserved_for, self.reserved = request_id, num_tokens
+
     def finalize(self) -> BatchUnit:
-        """Sort items by type (stable, so FCFS order holds inside each type)."""
+        """Sort items by type (stable, so FCFS order holds inside each type); a reservation
+        not taken lapses."""
+        self.reserve(None, 0)
         if not self._sorted:
             self.items.sort(key=lambda it: it.kind)
             self._sorted = True
@@ -83,7 +97,13 @@ class BatchUnit:
 
     @property
     def budget_left(self) -> int:
-        return self.token_budget - self.total_tokens
+        """Tokens any request may still add (reserved tokens excluded)."""
+        return self.token_budget - self.total_tokens - self.reserved
+
+    def budget_for(self, request_id: str) -> int:
+        """Tokens ``request_id`` may still add: ``budget_left`` plus its reservation."""
+        left = self.token_budget - self.total_tokens
+        return left if request_id == self.reserved_for else left - self.reserved
 
     def item_slice(self, kind: ItemKind) -> slice:
         """The contiguous range of ``items`` holding items of ``kind``."""

@@ -1,8 +1,14 @@
-"""Orthrus's Intra-Batch Scheduler (brief §2.3).
+"""IBS, the Intra-Batch Scheduler of Orthrus (brief §2.3): the ``ibs`` policy.
 
-Smooth weighted round-robin between the embedding queue and the waiting-generation queue, the
-weights being each queue's remaining token work and the credits persisting across iterations.
-Running decodes (and in-flight prefills) are reserved first.
+Smooth weighted round-robin between the embedding queue and the generation requests with prompt
+work, the weights being each side's remaining token work (``we``, ``wg``) and the credits
+persisting across iterations. Running decodes go first; admitted prompts (first prefills and
+recomputes after a preemption) continue through the generation side's turns, not ahead of them.
+
+Credits are charged in *tokens*: the side that schedules ``n`` tokens pays ``n``, and every side
+that could have gone is paid ``n`` times its share of the weight. So the scheduled
+embedding:generation token ratio follows ``we:wg`` to within one item, whatever the item sizes
+(docs/scheduler.md has the argument), and a side that cannot progress is neither charged nor paid.
 """
 
 from __future__ import annotations
@@ -10,65 +16,96 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orthrus_sim.engine.batch import BatchUnit
+from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.policy import Policy
+from orthrus_sim.engine.request import RequestState
 
 
 @dataclass
 class Credits:
-    """The two IBS credits. ``pick`` is one scheduling opportunity of smooth weighted RR."""
+    """The two IBS credits, in tokens, clamped to ``[-limit, limit]``."""
 
     embed: float = 0.0
     gen: float = 0.0
+    limit: float = float("inf")
 
-    def pick(self, we: float, wg: float, embed_ok: bool, gen_ok: bool) -> str:
-        """Add the weights, choose a side, charge it the total weight; returns 'e' or 'g'."""
-        self.embed += we
-        self.gen += wg
-        if not gen_ok or (embed_ok and self.embed >= self.gen):
-            self.embed -= we + wg
-            return "e"
-        self.gen -= we + wg
-        return "g"
+    def pick(self, embed_first_on_tie: bool) -> str:
+        """The side to offer next: the larger credit; a tie goes by arrival ('e' or 'g')."""
+        if self.embed != self.gen:
+            return "e" if self.embed > self.gen else "g"
+        return "e" if embed_first_on_tie else "g"
 
-    def undo(self, side: str, we: float, wg: float) -> None:
-        """Take back an opportunity the chosen queue could not use (nothing was scheduled)."""
+    def charge(self, side: str, tokens: int, we: float, wg: float,
+               embed_able: bool, gen_able: bool) -> None:
+        """``side`` scheduled ``tokens``: it pays them, and the sides able to go this turn are
+        paid in proportion to their weights (so the credits' sum does not drift)."""
         if side == "e":
-            self.embed += we + wg
+            self.embed -= tokens
         else:
-            self.gen += we + wg
-        self.embed -= we
-        self.gen -= wg
+            self.gen -= tokens
+        total = (we if embed_able else 0.0) + (wg if gen_able else 0.0)
+        if total > 0:
+            if embed_able:
+                self.embed += tokens * we / total
+            if gen_able:
+                self.gen += tokens * wg / total
+        lim = self.limit
+        self.embed = min(lim, max(-lim, self.embed))
+        self.gen = min(lim, max(-lim, self.gen))
 
 
-class OrthrusPolicy(Policy):
+class IBSPolicy(Policy):
     """IBS: capacity in proportion to remaining work, FCFS inside each type, no HoL blocking."""
 
-    name = "orthrus"
+    name = "ibs"
 
-    def __init__(self, config=None) -> None:
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
         super().__init__(config)
-        self.credits = Credits()
+        self.credits = Credits(limit=float(self.config.token_budget))
 
-    def _fill(self, batch: BatchUnit, now: float) -> None:
-        self._schedule_running(batch)
+    def _credits_view(self) -> dict[str, float]:
+        return {"embedding": self.credits.embed, "generation": self.credits.gen}
+
+    def fill(self, batch: BatchUnit, now: float) -> None:
+        self.schedule_decodes(batch)
         we, wg = self.waiting_work()
-        if not self.embed_queue:
-            self.credits.embed = 0.0
-        if not self.gen_queue:
-            self.credits.gen = 0.0
-        embed_ok = bool(self.embed_queue)
-        gen_ok = bool(self.gen_queue)
-        while batch.budget_left > 0 and (embed_ok or gen_ok):
-            side = self.credits.pick(we, wg, embed_ok, gen_ok)
-            if side == "e":
-                used = self._schedule_embedding(batch, now)
+        credits = self.credits
+        if not we:
+            credits.embed = 0.0  # a queue that empties starts afresh (brief §2.3)
+        if not wg:
+            credits.gen = 0.0
+        self._set_aside_for_embedding_head(we, wg)
+        embed_on = gen_on = True
+        while True:
+            emb = self.next_embedding() if embed_on else None
+            gen = self.next_generation() if gen_on else None
+            if emb is None and gen is None:
+                return
+            if gen is None:
+                side = "e"
+            elif emb is None:
+                side = "g"
             else:
-                used = self._schedule_generation(batch, now)
-            if used == 0:
-                # That queue cannot progress this iteration (budget, memory, sequence cap):
-                # stop offering it, and do not let the failed turn move the credits.
-                self.credits.undo(side, we, wg)
-                if side == "e":
-                    embed_ok = False
-                else:
-                    gen_ok = False
+                side = credits.pick(embed_first_on_tie=emb.order < gen.order)
+            if side == "e":
+                used = self.schedule_embedding(batch, emb, now)
+                embed_on = used > 0
+            else:
+                used = self.schedule_generation(batch, gen, now)
+                gen_on = used > 0
+            if used:
+                credits.charge(side, used, we, wg, emb is not None, gen is not None)
+
+    def _set_aside_for_embedding_head(self, we: int, wg: int) -> None:
+        """KV by work share: while embeddings hold at most ``we/(we+wg)`` of the cache (and
+        always for one head), the waiting embedding head's blocks are set aside before any
+        generation admission of this iteration, so blocks that generations free are not taken
+        by new generations while it waits. Beyond that share it claims them on its turn only
+        (``schedule_embedding`` holds them back when it is offered and refused)."""
+        head = self.next_embedding()
+        if head is None or head.state is not RequestState.WAITING or self._embed_slots_full():
+            return
+        need = self.blocks.blocks_for(head.input_len)
+        share = self.blocks.num_blocks * we / (we + wg)
+        if self.embedding_blocks() + need <= max(share, need):
+            self._hold_back(head.request_id, need)

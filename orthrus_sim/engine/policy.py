@@ -9,68 +9,133 @@ process, the PyTorch engine, the vLLM scheduler plug-in) drives it with three ca
 
 ``complete`` returns requests that finished (state FINISHED) and, for a prefill-only replica,
 generation requests handed off after their first token (state WAITING, KV to be transferred).
-A policy decides only *which* work enters a batch (``_fill``); admission, decode growth,
-preemption and completion live here so every policy keeps the same invariants.
+
+A policy decides only *which* work enters a batch: it implements ``fill(batch, now)`` with the
+public helpers below. Admission, KV blocks, decode growth, preemption, budget claims and
+completion live here, so every policy keeps the same invariants (docs/scheduler.md):
+
+* an embedding reserves blocks for its whole input when its first chunk is scheduled, so once
+  admitted it always completes; an embedding head refused for lack of blocks holds them back
+  from every later admission of that iteration;
+* a decode that cannot grow takes blocks from the newest *generation* request holding any; it
+  never evicts an embedding (it waits for the embedding's blocks instead);
+* an embedding chunk that is offered but does not fit the budget left gets its tokens reserved
+  at the start of the next iteration, ahead of the decodes (a budget claim).
 """
 
 from __future__ import annotations
 
+import abc
 import bisect
-from collections import deque
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
 from orthrus_sim.engine.batch import BatchUnit, ItemKind
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.kv_cache import BlockManager
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
 
+EMBEDDING, GENERATION = RequestKind.EMBEDDING, RequestKind.GENERATION
 
-class Policy:
-    """Base policy: subclasses override ``_fill`` (and ``serves`` for single-type replicas)."""
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """A read-only picture of a policy for observers (metrics, monitors, tests)."""
+
+    policy: str
+    embeddings_waiting: int  # not holding KV blocks yet
+    embeddings_running: int  # holding blocks, chunks still to go
+    generations_waiting: int  # not holding blocks (new or preempted)
+    generations_running: int  # holding blocks: prefilling or decoding
+    embedding_work: int  # ``we``: tokens IBS weighs the embedding queue with
+    generation_work: int  # ``wg``
+    kv_blocks_used: int
+    kv_blocks_total: int
+    credits: dict[str, float] | None  # IBS only
+    preemptions: dict[str, int]  # recompute preemptions so far, by kind
+    iterations: int
+    budget_claim: str | None  # request whose tokens the next batch reserves
+
+    @property
+    def waiting(self) -> int:
+        return self.embeddings_waiting + self.generations_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+
+def _insert_in_order(queue: list[Request], request: Request) -> None:
+    """Insert by FCFS key (arrival, then add order); appending is the common case."""
+    if not queue or queue[-1].order <= request.order:
+        queue.append(request)
+    else:
+        queue.insert(bisect.bisect_right(queue, request.order, key=lambda r: r.order), request)
+
+
+class Policy(abc.ABC):
+    """Base policy: subclasses implement ``fill`` (and set ``serves`` for single-type replicas).
+
+    ``decode_runs``: the simulator may advance runs of identical all-decode iterations at once
+    (``steady_decode_steps``). That is exact when ``fill`` depends on the queues and the KV cache
+    only; a policy whose choices depend on the clock sets it False.
+    """
 
     name = "base"
-    serves: tuple[RequestKind, ...] = (RequestKind.EMBEDDING, RequestKind.GENERATION)
+    serves: tuple[RequestKind, ...] = (EMBEDDING, GENERATION)
+    decode_runs = True
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.blocks = BlockManager(self.config.num_blocks, self.config.block_size)
-        self.embed_queue: deque[Request] = deque()  # Qe: unfinished embeddings, arrival order
-        self.gen_queue: deque[Request] = deque()  # Qg: generation requests not admitted
-        self.running: list[Request] = []  # admitted generation requests, admission order
-        self.holding: dict[str, Request] = {}  # every request holding blocks, admission order
-        self.requests: dict[str, Request] = {}  # every live request by id
-        self.num_preemptions = 0
         self.iterations = 0
-        self._embed_cursor = 0
-        self._in_batch: set[str] = set()
+        self.preemptions = {EMBEDDING.value: 0, GENERATION.value: 0}
+        self._embeddings: list[Request] = []  # unfinished embeddings, FCFS order
+        self._waiting_gen: list[Request] = []  # generation requests holding no blocks, FCFS
+        self._running: list[Request] = []  # generation requests holding blocks, admission order
+        self._prefilling: list[Request] = []  # those of them with prompt work left
+        self._holding: dict[str, Request] = {}  # every request holding blocks, admission order
+        self._requests: dict[str, Request] = {}  # every live request by id
         self._added = 0
+        self._budget_claim: tuple[str, int] | None = None
+        # state of the iteration being filled
+        self._claimant: Request | None = None  # its turn was taken last iteration: it goes first
+        self._in_batch: set[str] = set()
+        self._embed_cursor = 0
+        self._held_back = 0
+        self._held_for: dict[str, int] = {}
 
     # ----- the interface -----------------------------------------------------------------
     def add(self, request: Request, now: float = 0.0) -> bool:
         """Queue a request; rejects (and returns False) one that could never be served."""
+        if request.state is not RequestState.WAITING:
+            raise ValueError(f"request {request.request_id}: only a waiting request can be added, "
+                             f"this one is {request.state.value}")
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already queued")
         reason = self._reject_reason(request)
         if reason is not None:
             request.reject(reason)
             request.finished_at = now
             return False
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already queued")
-        self.requests[request.request_id] = request
+        self._requests[request.request_id] = request
         request.ready_since = now
         self._added += 1
         request.order = (request.arrival_time, self._added)
-        if request.is_embedding:
-            self.embed_queue.append(request)
-        else:
-            self._enqueue_gen(request)
+        _insert_in_order(self._embeddings if request.is_embedding else self._waiting_gen, request)
         return True
 
     def schedule(self, now: float = 0.0) -> BatchUnit:
         batch = BatchUnit(self.config.token_budget)
+        claim, self._budget_claim = self._budget_claim, None
+        self._claimant = self._requests.get(claim[0]) if claim is not None else None
+        if self._claimant is not None:
+            batch.reserve(*claim)
+        self._in_batch = set()
         self._embed_cursor = 0
-        self._in_batch = set()
-        self._fill(batch, now)
-        self._in_batch = set()
+        self._held_back = 0
+        self._held_for = {}
+        self.fill(batch, now)
         return batch.finalize()
 
     def complete(
@@ -101,6 +166,8 @@ class Policy:
                 if req.first_chunk_at is None:
                     req.first_chunk_at = now
             if req.num_computed == req.input_len + req.num_generated:
+                if kind is prefill_chunk:
+                    self._prefilling.remove(req)  # prompt (or recompute) done: it decodes now
                 req.num_generated += 1
                 if req.first_token_at is None:
                     req.first_token_at = now
@@ -115,19 +182,18 @@ class Policy:
 
     def abort(self, request_id: str, now: float = 0.0) -> Request | None:
         """Drop a request wherever it is and free its blocks; None if it is not here."""
-        req = self.requests.get(request_id)
+        req = self._requests.get(request_id)
         if req is None:
             return None
         self._release(req)
-        if req in self.gen_queue:
-            self.gen_queue.remove(req)
         req.transition(RequestState.ABORTED)
         req.finished_at = now
         return req
 
-    # ----- what a policy customises --------------------------------------------------------
-    def _fill(self, batch: BatchUnit, now: float) -> None:
-        raise NotImplementedError
+    # ----- what a policy implements ----------------------------------------------------------
+    @abc.abstractmethod
+    def fill(self, batch: BatchUnit, now: float) -> None:
+        """Add this iteration's work to ``batch`` with the ``schedule_*`` helpers."""
 
     def _hands_off(self, request: Request) -> bool:
         """True where a generation request leaves after its first token (prefill replicas)."""
@@ -136,27 +202,231 @@ class Policy:
     # ----- views ---------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.embed_queue or self.gen_queue or self.running)
+        return bool(self._embeddings or self._waiting_gen or self._running)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.requests)
+        return len(self._requests)
 
-    def queue_depth(self) -> dict[str, int]:
-        waiting_embed = sum(1 for r in self.embed_queue if r.state is RequestState.WAITING)
-        return {
-            "embedding_waiting": waiting_embed,
-            "embedding_running": len(self.embed_queue) - waiting_embed,
-            "generation_waiting": len(self.gen_queue),
-            "generation_running": len(self.running),
-        }
+    def get(self, request_id: str) -> Request | None:
+        """The live request with this id (None once it finished, was aborted or left)."""
+        return self._requests.get(request_id)
+
+    def holds_kv(self, request_id: str) -> bool:
+        return request_id in self._holding
+
+    def live(self) -> tuple[Request, ...]:
+        """Every request queued or running here, in the order it was added."""
+        return tuple(self._requests.values())
+
+    def embeddings(self) -> tuple[Request, ...]:
+        """Unfinished embedding requests (waiting or in flight), FCFS."""
+        return tuple(self._embeddings)
+
+    def waiting_generations(self) -> tuple[Request, ...]:
+        """Generation requests waiting for (re-)admission, FCFS."""
+        return tuple(self._waiting_gen)
+
+    def running_generations(self) -> tuple[Request, ...]:
+        """Generation requests holding KV blocks (prefilling or decoding), admission order."""
+        return tuple(self._running)
 
     def waiting_work(self) -> tuple[int, int]:
-        """Remaining token work of Qe and of Qg (``we``, ``wg`` in the brief)."""
+        """``we`` and ``wg`` of the brief: the remaining prompt work of the embedding queue
+        and of the generation requests that still have prompt work (waiting or prefilling),
+        each weighed by ``Request.waiting_work``."""
         count_output = self.config.count_waiting_output
-        we = sum(r.num_uncomputed for r in self.embed_queue)
-        wg = sum(r.remaining_work(count_output) for r in self.gen_queue)
+        we = sum(r.num_uncomputed for r in self._embeddings)
+        wg = sum(r.waiting_work(count_output) for r in self._prefilling)
+        wg += sum(r.waiting_work(count_output) for r in self._waiting_gen)
         return we, wg
+
+    def snapshot(self) -> PolicySnapshot:
+        we, wg = self.waiting_work()
+        running_embed = sum(1 for r in self._holding.values() if r.is_embedding)
+        return PolicySnapshot(
+            policy=self.name,
+            embeddings_waiting=len(self._embeddings) - running_embed,
+            embeddings_running=running_embed,
+            generations_waiting=len(self._waiting_gen),
+            generations_running=len(self._running),
+            embedding_work=we, generation_work=wg,
+            kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
+            credits=self._credits_view(), preemptions=dict(self.preemptions),
+            iterations=self.iterations,
+            budget_claim=self._budget_claim[0] if self._budget_claim else None,
+        )
+
+    def _credits_view(self) -> dict[str, float] | None:
+        return None
+
+    # ----- helpers for ``fill`` ---------------------------------------------------------------
+    def next_embedding(self) -> Request | None:
+        """The earliest unfinished embedding with no chunk in this batch yet; a budget
+        claimant (its chunk did not fit last iteration) comes first."""
+        claimant = self._claimant
+        in_batch = self._in_batch
+        if (claimant is not None and claimant.request_id not in in_batch
+                and not claimant.state.is_final):
+            return claimant
+        q = self._embeddings
+        while self._embed_cursor < len(q):
+            req = q[self._embed_cursor]
+            if req.request_id not in in_batch:
+                return req
+            self._embed_cursor += 1
+        return None
+
+    def next_generation(self) -> Request | None:
+        """The generation request whose prompt work comes next: an admitted prompt not yet in
+        this batch (admission order), else the head of the waiting queue."""
+        in_batch = self._in_batch
+        for req in self._prefilling:
+            if req.request_id not in in_batch:
+                return req
+        for req in self._waiting_gen:
+            if req.request_id not in in_batch:
+                return req
+        return None
+
+    def schedule_running(self, batch: BatchUnit) -> int:
+        """Decodes, then the admitted prompts' next chunks (vLLM's order for running work)."""
+        used = self.schedule_decodes(batch)
+        for req in list(self._prefilling):
+            if batch.budget_left <= 0:
+                break
+            if req.request_id not in self._in_batch:
+                used += self._add_prompt_chunk(batch, req)
+        return used
+
+    def schedule_decodes(self, batch: BatchUnit) -> int:
+        """Every running decode, in admission order, while the budget lasts.
+
+        A decode whose next token needs a block it cannot get takes one from the newest
+        generation request holding blocks (recompute preemption, as vLLM does); if it is the
+        newest, it waits for embeddings' blocks when embeddings hold any, else it preempts itself.
+        (This loop runs for every decode of every iteration, hence the inlined arithmetic.)
+        """
+        used = 0
+        budget = batch.budget_left + batch.total_tokens  # the reservation stays untouched
+        block_size = self.blocks.block_size
+        tables = self.blocks.tables
+        in_batch = self._in_batch
+        for req in list(self._running):
+            if req.state is not RequestState.RUNNING or not req.num_generated:
+                continue  # preempted earlier in this loop, or still prefilling
+            seq_len = req.input_len + req.num_generated
+            if seq_len - req.num_computed != 1 or req.request_id in in_batch:
+                continue
+            if batch.total_tokens >= budget:
+                break
+            table = tables.get(req.request_id)
+            if table is None or len(table) * block_size < seq_len:
+                if not self._grow_decode(req, seq_len):
+                    continue
+            batch.add(req, ItemKind.DECODE, 1)
+            in_batch.add(req.request_id)
+            used += 1
+        return used
+
+    def _grow_decode(self, req: Request, seq_len: int) -> bool:
+        """Blocks for a decode's next token, preempting newer generation requests if needed."""
+        while not self.blocks.grow(req.request_id, seq_len):
+            victim = None
+            for r in reversed(self._running):  # newest first, down to the decode itself
+                if r is req:
+                    break
+                if r.request_id not in self._in_batch:
+                    victim = r
+                    break
+            if victim is not None:
+                self._preempt(victim)
+                continue
+            if any(r.is_embedding for r in self._holding.values()):
+                return False  # embeddings give their blocks back within a few iterations
+            self._preempt(req)
+            return False
+        return True
+
+    def schedule_embedding(self, batch: BatchUnit, request: Request, now: float) -> int:
+        """One chunk of ``request`` (``schedule_one(Qe, B)``): its tokens, or 0 if it cannot go
+        this iteration (already in the batch, no request slot, no KV blocks, or the chunk does
+        not fit the budget left: chunks are never split; that one claims the next batch)."""
+        rid = request.request_id
+        if rid in self._in_batch or request.state.is_final:
+            return 0
+        n = self._embed_chunk_len(request)
+        waiting = request.state is RequestState.WAITING
+        if waiting:
+            if self._embed_slots_full():
+                return 0
+            need = self.blocks.blocks_for(request.input_len)
+            if not self._kv_allows(need, rid):
+                self._hold_back(rid, need)
+                return 0
+        if n > batch.budget_for(rid):
+            if self._budget_claim is None:
+                self._budget_claim = (rid, n)
+            if waiting:
+                self._hold_back(rid, self.blocks.blocks_for(request.input_len))
+            return 0
+        if waiting:
+            self._admit(request, request.input_len, now)
+        batch.add(request, ItemKind.EMBED_CHUNK, n)
+        self._in_batch.add(rid)
+        return n
+
+    def schedule_generation(self, batch: BatchUnit, request: Request, now: float) -> int:
+        """The next prompt chunk of ``request`` (``schedule_one(Qg, B)``), admitting it if it is
+        waiting: its tokens, or 0 if it cannot go (sequence cap, no budget, no KV blocks)."""
+        rid = request.request_id
+        if rid in self._in_batch or request.state.is_final:
+            return 0
+        left = batch.budget_for(rid)
+        if left <= 0:
+            return 0
+        if request.state is RequestState.WAITING:
+            if len(self._running) >= self.config.max_num_seqs:
+                return 0
+            if not self._kv_allows(self.blocks.extra_blocks(rid, request.seq_len), rid):
+                return 0
+            self._admit(request, request.seq_len, now)
+            self._waiting_gen.remove(request)
+            self._running.append(request)
+            if not request.is_decode:
+                self._prefilling.append(request)
+        return self._add_prompt_chunk(batch, request)
+
+    def _add_prompt_chunk(self, batch: BatchUnit, request: Request) -> int:
+        """An admitted request's next tokens, chunked to the budget left (or its decode)."""
+        n = min(request.num_uncomputed, batch.budget_for(request.request_id))
+        if n <= 0:
+            return 0
+        batch.add(request, ItemKind.DECODE if request.is_decode else ItemKind.PREFILL_CHUNK, n)
+        self._in_batch.add(request.request_id)
+        return n
+
+    def fill_fcfs(self, batch: BatchUnit, now: float, kinds: Iterable[RequestKind]) -> int:
+        """Admit new work in one global arrival order, stopping at the first that cannot go; a
+        budget claimant goes first (its turn came last iteration)."""
+        kinds = set(kinds)
+        used = 0
+        claimant = self._claimant
+        if claimant is not None and claimant.kind in kinds and claimant.request_id not in self._in_batch:
+            used += self.schedule_embedding(batch, claimant, now)
+        while True:
+            emb = self.next_embedding() if EMBEDDING in kinds else None
+            gen = self.next_generation() if GENERATION in kinds else None
+            if emb is None and gen is None:
+                break
+            if gen is None or (emb is not None and emb.order < gen.order):
+                n = self.schedule_embedding(batch, emb, now)
+            else:
+                n = self.schedule_generation(batch, gen, now)
+            if n == 0:
+                break
+            used += n
+        return used
 
     # ----- shared mechanics ---------------------------------------------------------------
     def _reject_reason(self, request: Request) -> str | None:
@@ -181,40 +451,52 @@ class Policy:
             )
         return None
 
-    def _enqueue_gen(self, request: Request) -> None:
-        """Insert into Qg in arrival order (preempted requests go back to their place)."""
-        q = self.gen_queue
-        if not q or q[-1].order <= request.order:
-            q.append(request)
-        elif q[0].order > request.order:
-            q.appendleft(request)
-        else:
-            items = list(q)
-            items.insert(bisect.bisect_right(items, request.order, key=lambda r: r.order),
-                         request)
-            self.gen_queue = deque(items)
+    def _embed_chunk_len(self, request: Request) -> int:
+        size = self.config.chunk_size
+        remaining = request.num_uncomputed
+        return remaining if size is None else min(size, remaining)
 
-    def _admit(self, request: Request, num_tokens: int, now: float) -> bool:
-        """Reserve blocks for ``num_tokens`` tokens and mark running; False if they don't fit."""
-        if not request.is_embedding and len(self.running) >= self.config.max_num_seqs:
-            return False
+    def _embed_slots_full(self) -> bool:
+        cap = self.config.max_num_embeds
+        return cap is not None and sum(r.is_embedding for r in self._holding.values()) >= cap
+
+    def _kv_allows(self, blocks: int, request_id: str) -> bool:
+        """Admission test: ``blocks`` fit beside what is held back for other requests."""
+        held_for_others = self._held_back - self._held_for.get(request_id, 0)
+        return blocks <= self.blocks.num_free - held_for_others
+
+    def _hold_back(self, request_id: str, blocks: int) -> None:
+        """Set ``blocks`` of the free pool aside for a waiting embedding head for the rest of
+        this iteration: later admissions of other requests cannot take them."""
+        if request_id not in self._held_for:
+            self._held_for[request_id] = blocks
+            self._held_back += blocks
+
+    def embedding_blocks(self) -> int:
+        """KV blocks held by embeddings in flight."""
+        held = self.blocks.held
+        return sum(held(r.request_id) for r in self._holding.values() if r.is_embedding)
+
+    def _admit(self, request: Request, num_tokens: int, now: float) -> None:
         if not self.blocks.grow(request.request_id, num_tokens):
-            return False
+            raise RuntimeError(f"request {request.request_id}: admitted without free blocks")
         request.transition(RequestState.RUNNING)
         if request.admitted_at is None:
             request.admitted_at = now
-        self.holding[request.request_id] = request
-        return True
+        self._holding[request.request_id] = request
 
     def _release(self, request: Request) -> None:
-        self.blocks.free(request.request_id)
-        self.holding.pop(request.request_id, None)
-        self.requests.pop(request.request_id, None)
+        rid = request.request_id
+        self.blocks.free(rid)
+        self._holding.pop(rid, None)
+        self._requests.pop(rid, None)
         if request.is_embedding:
-            if request in self.embed_queue:
-                self.embed_queue.remove(request)
-        elif request in self.running:
-            self.running.remove(request)
+            if request in self._embeddings:
+                self._embeddings.remove(request)
+        else:
+            for queue in (self._running, self._prefilling, self._waiting_gen):
+                if request in queue:
+                    queue.remove(request)
 
     def _finish(self, request: Request, now: float) -> None:
         self._release(request)
@@ -224,132 +506,34 @@ class Policy:
     def _preempt(self, victim: Request) -> None:
         """Recompute-preemption: free the victim's blocks and put it back in its queue."""
         self.blocks.free(victim.request_id)
-        del self.holding[victim.request_id]
+        del self._holding[victim.request_id]
         victim.transition(RequestState.WAITING)
         victim.reset_for_recompute()
-        self.num_preemptions += 1
+        self.preemptions[victim.kind.value] += 1
         if not victim.is_embedding:
-            self.running.remove(victim)
-            self._enqueue_gen(victim)
-
-    def _schedule_running(self, batch: BatchUnit) -> int:
-        """Running generation requests first: decodes, then unfinished prefills (chunked).
-
-        A decode that cannot grow its blocks preempts the newest request holding blocks, as
-        vLLM does; if that is the decode itself, it steps aside for this iteration.
-        (This loop runs for every decode of every iteration, hence the inlined arithmetic.)
-        """
-        used = 0
-        budget = batch.token_budget
-        block_size = self.blocks.block_size
-        tables = self.blocks.tables
-        running = RequestState.RUNNING
-        for req in list(self.running):
-            if req.state is not running:
-                continue  # preempted earlier in this loop
-            if batch.total_tokens >= budget:
-                break
-            seq_len = req.input_len + req.num_generated
-            table = tables.get(req.request_id)
-            if table is None or len(table) * block_size < seq_len:
-                while not self.blocks.grow(req.request_id, seq_len):
-                    victim = next(reversed(self.holding.values()))
-                    self._preempt(victim)
-                    if victim is req:
-                        break
-                if req.state is not running:
-                    continue
-            n = seq_len - req.num_computed
-            kind = ItemKind.DECODE if n == 1 and req.num_generated else ItemKind.PREFILL_CHUNK
-            n = min(n, budget - batch.total_tokens)
-            batch.add(req, kind, n)
-            used += n
-        return used
-
-    def _next_embedding(self) -> Request | None:
-        """The earliest embedding request with no chunk in this batch yet."""
-        q = self.embed_queue
-        while self._embed_cursor < len(q):
-            req = q[self._embed_cursor]
-            if req.request_id not in self._in_batch:
-                return req
-            self._embed_cursor += 1
-        return None
-
-    def _embed_chunk_len(self, request: Request) -> int:
-        size = self.config.chunk_size
-        remaining = request.num_uncomputed
-        return remaining if size is None else min(size, remaining)
-
-    def _schedule_embedding(self, batch: BatchUnit, now: float) -> int:
-        """``schedule_one(Qe, B)``: one whole chunk of the earliest embedding, or 0."""
-        req = self._next_embedding()
-        if req is None:
-            return 0
-        n = self._embed_chunk_len(req)
-        if n > batch.budget_left:
-            return 0  # chunks are never split to fit the budget
-        if req.state is RequestState.WAITING and (
-                self._embed_slots_full() or not self._admit(req, req.input_len, now)):
-            return 0
-        batch.add(req, ItemKind.EMBED_CHUNK, n)
-        self._in_batch.add(req.request_id)
-        self._embed_cursor += 1
-        return n
-
-    def _embed_slots_full(self) -> bool:
-        cap = self.config.max_num_embeds
-        return cap is not None and sum(r.is_embedding for r in self.holding.values()) >= cap
-
-    def _schedule_generation(self, batch: BatchUnit, now: float) -> int:
-        """``schedule_one(Qg, B)``: admit the earliest waiting generation request, or 0."""
-        if not self.gen_queue or len(self.running) >= self.config.max_num_seqs:
-            return 0
-        if batch.budget_left <= 0:
-            return 0
-        req = self.gen_queue[0]
-        if not self._admit(req, req.seq_len, now):
-            return 0
-        self.gen_queue.popleft()
-        self.running.append(req)
-        n = min(req.num_uncomputed, batch.budget_left)
-        batch.add(req, ItemKind.DECODE if req.is_decode else ItemKind.PREFILL_CHUNK, n)
-        return n
-
-    def _fill_fcfs(self, batch: BatchUnit, now: float, kinds: Iterable[RequestKind]) -> int:
-        """Admit new work in one global arrival order, stopping at the first that cannot go."""
-        kinds = set(kinds)
-        used = 0
-        while batch.budget_left > 0:
-            emb = self._next_embedding() if RequestKind.EMBEDDING in kinds else None
-            gen = self.gen_queue[0] if RequestKind.GENERATION in kinds and self.gen_queue else None
-            if emb is None and gen is None:
-                break
-            if gen is None or (emb is not None and emb.order < gen.order):
-                n = self._schedule_embedding(batch, now)
-            else:
-                n = self._schedule_generation(batch, now)
-            if n == 0:
-                break
-            used += n
-        return used
+            self._running.remove(victim)
+            if victim in self._prefilling:
+                self._prefilling.remove(victim)
+            _insert_in_order(self._waiting_gen, victim)
 
     # ----- runs of identical decode iterations (a simulator fast path) ----------------------
     def steady_decode_steps(self, batch: BatchUnit) -> int:
         """How many iterations, starting with ``batch``, would be the same all-decode batch.
 
-        Nonzero only when nothing waits (no new work could join), every running request is a
-        decode in ``batch``, and the KV cache can grow for the whole run. The run ends at the
-        first step where some request finishes. Arrivals are the caller's business: it must cut
-        the run at the first iteration boundary after one.
+        Nonzero only when ``batch`` holds every request holding blocks and each is a decode,
+        no budget claim is pending, and ``fill`` admitted nothing although requests wait: what
+        kept them out (KV blocks, which decodes only take; the sequence cap; a budget the
+        decodes fill) stays for as long as the decodes run. The run ends at the first step
+        where some request finishes and while the KV cache can grow. Arrivals are the caller's
+        business: it must cut the run at the first iteration boundary after one.
         """
-        if len(batch.items) != len(self.running) or len(self.holding) != len(self.running):
+        if not self.decode_runs or self._budget_claim is not None:
+            return 0
+        if len(batch.items) != len(self._running) or len(self._holding) != len(self._running):
             return 0
         if not batch.items or batch.items[0].kind is not ItemKind.DECODE:
             return 0
-        if (self.embed_queue or self.gen_queue) and not self._admission_blocked(batch):
-            return 0
-        steps = min(r.max_output_tokens - r.num_generated for r in self.running)
+        steps = min(r.max_output_tokens - r.num_generated for r in self._running)
         if steps < 1:
             return 0
         bs = self.config.block_size
@@ -358,7 +542,7 @@ class Policy:
         def extra_blocks(k: int) -> int:
             # step k computes the token at position seq_len + k - 2, so holds seq_len + k - 1
             return sum(max(0, -(-(r.seq_len + k - 1) // bs) - len(self.blocks.tables[r.request_id]))
-                       for r in self.running)
+                       for r in self._running)
 
         if extra_blocks(steps) > free:
             lo, hi = 1, steps  # largest k whose growth fits
@@ -370,20 +554,6 @@ class Policy:
                     hi = mid - 1
             steps = lo if extra_blocks(lo) <= free else 0
         return steps
-
-    def _admission_blocked(self, batch: BatchUnit) -> bool:
-        """True when no waiting request can join for as long as the decodes run: the decodes
-        fill the budget, or each queue's head is held back by the generation sequence cap or
-        needs more KV blocks than are free (decodes only ever take blocks, so that stays)."""
-        if batch.total_tokens >= batch.token_budget:
-            return True
-        free = self.blocks.num_free
-        head = self.gen_queue[0] if self.gen_queue else None
-        if (head is not None and len(self.running) < self.config.max_num_seqs
-                and self.blocks.blocks_for(head.seq_len) <= free):
-            return False
-        head = next((r for r in self.embed_queue if r.state is RequestState.WAITING), None)
-        return head is None or self.blocks.blocks_for(head.input_len) > free
 
     def complete_decode_run(self, batch: BatchUnit, steps: int, now: float) -> list[Request]:
         """Apply ``steps`` identical decode iterations at once (``steps`` from

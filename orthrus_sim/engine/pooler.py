@@ -30,6 +30,12 @@ def _as_float(x: Array) -> Array:
     return x.astype("float32")
 
 
+def _own(x: Array) -> Array:
+    """A copy of ``x`` that shares no memory with the caller's array: the caller may reuse its
+    buffer, and a torch view would keep the whole batch's hidden states alive."""
+    return x.clone() if hasattr(x, "clone") else x.copy()
+
+
 def _positions(x: Array, start: int, n: int) -> Array:
     """Column vector ``start+1 .. start+n`` in ``x``'s library, dtype and device."""
     xp = _xp(x)
@@ -46,8 +52,11 @@ def _concat(chunks: list[Array]) -> Array:
 
 
 def l2_normalize(v: Array, eps: float = 1e-12) -> Array:
-    norm = (v * v).sum() ** 0.5
-    return v / max(float(norm), eps)
+    """``v / |v|`` computed in at least fp32 (an fp16 square overflows past 256); a zero vector
+    stays zero."""
+    v = _as_float(v)
+    norm = float((v * v).sum()) ** 0.5
+    return v / max(norm, eps)
 
 
 class IncrementalPooler:
@@ -96,13 +105,13 @@ class IncrementalPooler:
             self._weight += n * o + n * (n + 1) / 2
         elif head == "cls":
             if self.num_tokens == 0:
-                self._kept = hidden[0]
+                self._kept = _own(hidden[0])
             part = None
         elif head == "last":
-            self._kept = hidden[n - 1]
+            self._kept = _own(hidden[n - 1])
             part = None
         else:
-            self._chunks.append(hidden)
+            self._chunks.append(_own(hidden))
             part = None
         if part is not None:
             self._sum = part if self._sum is None else self._sum + part

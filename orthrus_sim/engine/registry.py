@@ -16,13 +16,13 @@ from orthrus_sim.engine.baselines import (
     UnifiedHomoPolicy,
 )
 from orthrus_sim.engine.config import SchedulerConfig
-from orthrus_sim.engine.ibs import OrthrusPolicy
+from orthrus_sim.engine.ibs import IBSPolicy
 from orthrus_sim.engine.policy import Policy
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
-        OrthrusPolicy,
+        IBSPolicy,
         UnifiedHeteroPolicy,
         UnifiedHomoPolicy,
         EmbeddingOnlyPolicy,
@@ -42,8 +42,9 @@ def resolve_policy(spec: str | type[Policy]) -> type[Policy]:
     elif spec in POLICIES:
         return POLICIES[spec]
     elif ":" not in spec:
+        hint = " (the Orthrus configuration's scheduler, IBS, is 'ibs')" if spec == "orthrus" else ""
         raise ValueError(
-            f"scheduler.policy: unknown policy {spec!r}; built-in policies are "
+            f"scheduler.policy: unknown policy {spec!r}{hint}; built-in policies are "
             f"{', '.join(POLICIES)}, or give an import path 'package.module:ClassName'"
         )
     else:

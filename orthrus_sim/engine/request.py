@@ -10,6 +10,8 @@ case where exactly one token (the last sampled one) is left.
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,15 @@ _TRANSITIONS = {
 }
 
 
+def _count(rid: str, name: str, value: Any, minimum: int, what: str = "") -> int:
+    """``value`` as a plain int >= ``minimum``; a bool, a float or a string is refused by name."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"request {rid}: {name} must be {bound}{' ' + what if what else ''}, "
+                         f"got {value!r}")
+    return int(value)
+
+
 @dataclass(eq=False)
 class Request:
     """One embedding or generation request and its progress.
@@ -81,48 +92,50 @@ class Request:
     finished_at: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        rid = self.request_id
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
         if isinstance(self.kind, str):
             try:
                 self.kind = RequestKind(self.kind)
             except ValueError:
                 raise ValueError(
-                    f"request {self.request_id}: kind must be 'embedding' or 'generation', "
-                    f"got {self.kind!r}"
+                    f"request {rid}: kind must be 'embedding' or 'generation', got {self.kind!r}"
                 ) from None
+        elif not isinstance(self.kind, RequestKind):
+            raise ValueError(
+                f"request {rid}: kind must be 'embedding' or 'generation', got {self.kind!r}")
+        arrival = self.arrival_time
+        if (isinstance(arrival, bool) or not isinstance(arrival, numbers.Real)
+                or not math.isfinite(arrival) or arrival < 0):
+            raise ValueError(
+                f"request {rid}: arrival_time must be a finite number >= 0, got {arrival!r}")
+        self.arrival_time = float(arrival)
+        self.input_len = _count(rid, "input_len", self.input_len, minimum=1)
         if self.token_ids is not None and self.input_len != len(self.token_ids):
             raise ValueError(
-                f"request {self.request_id}: input_len={self.input_len} but "
+                f"request {rid}: input_len={self.input_len} but "
                 f"{len(self.token_ids)} token_ids were given"
             )
-        if not isinstance(self.input_len, int) or self.input_len <= 0:
-            raise ValueError(
-                f"request {self.request_id}: input_len must be a positive integer, "
-                f"got {self.input_len!r}"
-            )
         if self.kind is RequestKind.GENERATION:
-            if not isinstance(self.max_output_tokens, int) or self.max_output_tokens <= 0:
-                raise ValueError(
-                    f"request {self.request_id}: max_output_tokens must be a positive integer "
-                    f"for a generation request, got {self.max_output_tokens!r}"
-                )
+            self.max_output_tokens = _count(rid, "max_output_tokens", self.max_output_tokens,
+                                            minimum=1, what="for a generation request")
         else:
             if self.max_output_tokens != 0:
                 raise ValueError(
-                    f"request {self.request_id}: max_output_tokens must be 0 for an embedding "
+                    f"request {rid}: max_output_tokens must be 0 for an embedding "
                     f"request, got {self.max_output_tokens!r}"
                 )
             if self.pooling not in POOLING_HEADS:
                 raise ValueError(
-                    f"request {self.request_id}: unknown pooling head {self.pooling!r}; "
+                    f"request {rid}: unknown pooling head {self.pooling!r}; "
                     f"known heads: {', '.join(POOLING_HEADS)}"
                 )
         if self.expected_output_tokens is None:
             self.expected_output_tokens = self.max_output_tokens
-        elif self.expected_output_tokens < 0:
-            raise ValueError(
-                f"request {self.request_id}: expected_output_tokens must be >= 0, "
-                f"got {self.expected_output_tokens!r}"
-            )
+        else:
+            self.expected_output_tokens = _count(rid, "expected_output_tokens",
+                                                 self.expected_output_tokens, minimum=0)
         self.ready_since = self.arrival_time
 
     # ----- derived progress -------------------------------------------------------------
@@ -154,6 +167,21 @@ class Request:
         """Tokens still to process: uncomputed tokens, plus expected decodes if asked."""
         work = self.num_uncomputed
         if count_output and not self.is_embedding:
+            work += max(0, self.expected_output_tokens - max(self.num_generated, 1))
+        return work
+
+    def waiting_work(self, count_output: bool) -> int:
+        """What this request weighs in IBS while it waits for prompt work (``we``/``wg``).
+
+        An embedding weighs its uncomputed input. A generation request weighs its uncomputed
+        tokens, but never more than its prompt: after a preemption it weighs what it weighed on
+        arrival, not the recompute of the tokens it already generated (docs/scheduler.md).
+        ``count_output`` adds the expected output not yet generated.
+        """
+        if self.is_embedding:
+            return self.num_uncomputed
+        work = min(self.num_uncomputed, self.input_len)
+        if count_output:
             work += max(0, self.expected_output_tokens - max(self.num_generated, 1))
         return work
 

@@ -38,6 +38,17 @@ def _coefficients(scenario: Scenario) -> Coefficients:
     return Coefficients()
 
 
+def unified_policy(configuration: str, user_policy: str | None = None) -> str:
+    """The policy every GPU of a unified configuration runs: ``orthrus`` is IBS (or the
+    scenario's ``scheduler.policy``), ``unified-hetero``/``unified-homo`` their baselines,
+    ``unified:<policy>`` that policy."""
+    if configuration.startswith("unified:"):
+        return configuration.split(":", 1)[1]
+    if configuration == "orthrus":
+        return user_policy or "ibs"
+    return configuration
+
+
 def plan_configuration(scenario: Scenario, name: str, cost_factory=None) -> list[ReplicaPlan]:
     """Which replica runs on each GPU for configuration ``name``.
 
@@ -69,9 +80,7 @@ def plan_configuration(scenario: Scenario, name: str, cost_factory=None) -> list
                                max_model_len=base.max_position_embeddings)
 
     if name in ("orthrus", "unified-hetero", "unified-homo") or name.startswith("unified:"):
-        policy = name.split(":", 1)[1] if name.startswith("unified:") else name
-        if name == "orthrus" and sch.policy:
-            policy = sch.policy
+        policy = unified_policy(name, sch.policy)
         chunk = sch.chunk_size
         return [ReplicaPlan("unified", policy, cost(base, lora),
                             config(base, lora, sch.token_budget, chunk)) for _ in range(gpus)]
@@ -154,7 +163,3 @@ class Cluster:
         yield self.env.timeout(seconds)
         self._pick(self._decoders, "decode").submit(request)
 
-    def queue_length(self) -> int:
-        return sum(len(r.policy.gen_queue) + sum(1 for q in r.policy.embed_queue
-                                                 if q.request_id not in r.policy.holding)
-                   for r in self.replicas)

@@ -38,6 +38,7 @@ def request_metrics(issued: list[Request], workflows: list, start: float, end: f
     when it finished inside it. Shared by the simulator and the live load generator."""
     window = max(end - start, 1e-12)
     lat = {"embedding": [], "generation": [], "ttft": [], "tpot": []}
+    admission = {"embedding": [], "generation": []}
     completed = {"embedding": 0, "generation": 0}
     unfinished = {"embedding": 0, "generation": 0}
     rejected = {"embedding": 0, "generation": 0}
@@ -50,6 +51,8 @@ def request_metrics(issued: list[Request], workflows: list, start: float, end: f
         elif r.finished_at >= start:
             completed[kind] += 1
             lat[kind].append(r.finished_at - r.arrival_time)
+            if r.admitted_at is not None:  # a live client does not see admission
+                admission[kind].append(r.admitted_at - r.arrival_time)
             if r.kind is RequestKind.GENERATION:
                 lat["ttft"].append(r.first_token_at - r.arrival_time)
                 if r.num_generated > 1:
@@ -69,6 +72,7 @@ def request_metrics(issued: list[Request], workflows: list, start: float, end: f
     return {
         "throughput_rps": throughput,
         "latency_s": latency,
+        "admission_wait_s": {k: summary(v) for k, v in admission.items()},
         "completed": completed,
         "unfinished": unfinished,
         "rejected": rejected,
@@ -86,7 +90,7 @@ def replica_metrics(replicas: list, end: float, peak_flops: float) -> dict:
                 "compute": rep.stats.flops / (peak_flops * elapsed),
                 "iterations": rep.stats.iterations,
                 "budget_fill": rep.stats.budget_fill_sum / max(rep.stats.iterations, 1),
-                "preemptions": rep.policy.num_preemptions,
+                "preemptions": dict(rep.policy.preemptions),
                 "decode_runs": rep.stats.decode_runs}
                for rep in replicas]
     iterations = sum(rep.stats.iterations for rep in replicas)
@@ -98,7 +102,8 @@ def replica_metrics(replicas: list, end: float, peak_flops: float) -> dict:
         },
         "budget_fill": sum(rep.stats.budget_fill_sum for rep in replicas) / max(iterations, 1),
         "iterations": iterations,
-        "preemptions": sum(rep.policy.num_preemptions for rep in replicas),
+        "preemptions": {kind: sum(rep.policy.preemptions[kind] for rep in replicas)
+                        for kind in ("embedding", "generation")},
     }
 
 

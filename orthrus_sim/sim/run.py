@@ -28,12 +28,13 @@ def _monitor(env: simpy.Environment, cluster: Cluster, interval: float, rows: li
     last_busy = [0.0] * len(cluster.replicas)
     while True:
         yield env.timeout(interval)
-        row = {"time_s": env.now, "queue_length": cluster.queue_length()}
-        for i, rep in enumerate(cluster.replicas):
+        snaps = [rep.policy.snapshot() for rep in cluster.replicas]
+        row = {"time_s": env.now, "queue_length": sum(s.waiting for s in snaps)}
+        for i, (rep, snap) in enumerate(zip(cluster.replicas, snaps)):
             busy = rep.busy_time()
             row[f"busy_{i}"] = min(1.0, (busy - last_busy[i]) / interval)
-            row[f"kv_usage_{i}"] = rep.policy.blocks.usage
-            row[f"running_{i}"] = len(rep.policy.holding)
+            row[f"kv_usage_{i}"] = snap.kv_usage
+            row[f"running_{i}"] = snap.embeddings_running + snap.generations_running
             last_busy[i] = busy
         rows.append(row)
         if progress is not None and horizon:
