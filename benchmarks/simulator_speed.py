@@ -19,7 +19,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from orthrus_sim.scenario import parse_scenario
+from orthrus_sim.experiment.scenario import parse_scenario
 from orthrus_sim.sim.run import simulate
 
 VIDUR_REFERENCE = {"iterations_per_s": 3400.0, "requests_per_s": 350.0}

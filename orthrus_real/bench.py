@@ -1,38 +1,47 @@
-"""``orthrus-real bench``: drive a live server with a scenario's ``workload`` section and write
-``results.json`` in the simulator's schema (``orthrus.results/1``).
+"""``orthrus-real bench``: drive a live server (or an engine thread) with a scenario's workload and
+write ``results.json`` in the simulator's schema, with the per-request CSV and the plots.
 
-Generation requests stream (``stream: true``, ``ignore_eos: true`` so outputs have the sampled
-length) to measure time to first token; prompts and inputs are token arrays of the sampled
-lengths. For Iter-RetGen workflows, retrieval is real: a generated corpus is embedded through
-the server before the clock starts, and each iteration's query embedding is searched with numpy
-cosine top-k; retrieval time is reported separately (``retrieval_s``).
+The requests are the scenario's, exactly: the workload generator (``orthrus_sim.experiment
+.workload``) decides every request (ids, kinds, lengths, token ids, send times) from the seed, and
+this module's asyncio driver carries its actions out, as the simulator's SimPy driver does.
+Generation requests stream (``stream: true``, ``ignore_eos: true``, so outputs have the sampled
+length) to measure time to first token. Utilisation, budget fill, iterations, preemptions and
+admission waits come from the server's ``/metrics``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
-from orthrus_sim.scenario import Scenario
-from orthrus_sim.sim.metrics import request_metrics, summary
-from orthrus_sim.sim.workload import (
-    EMB,
-    GEN,
-    Phases,
-    Workflow,
-    interarrival,
-    load_trace,
-    sample_synthetic,
+from orthrus_sim.experiment.results import (
+    request_metrics,
+    request_row,
+    results_doc,
+    summary,
+    window_warnings,
+    write_csv,
+    write_json,
 )
-
-SCHEMA = "orthrus.results/1"
+from orthrus_sim.experiment.scenario import Scenario, scenario_dump
+from orthrus_sim.experiment.workload import (
+    Client,
+    Outcome,
+    RequestSpec,
+    Retrieve,
+    Send,
+    Spawn,
+    Wait,
+    WaitUntil,
+    Workload,
+)
 
 
 class Rejected(Exception):
@@ -121,251 +130,244 @@ class EngineTransport:
 
 
 class LiveDriver:
-    def __init__(self, transport, scenario: Scenario, token_range: int) -> None:
+    """Carries out the workload's actions in real time against a transport."""
+
+    def __init__(self, transport, scenario: Scenario, token_range: int = 500,
+                 keep_specs: bool = False) -> None:
         self.transport = transport
         self.scenario = scenario
-        self.workload = scenario.workload
         self.token_range = token_range
-        self.phases = Phases(self.workload)
-        self.issued: list[Request] = []
-        self.workflows: list[Workflow] = []
-        self.retrieval_s: list[float] = []
-        self.units = 0
         self.t0 = time.monotonic()
+        self.workload = Workload(scenario, self.now, keep_specs)
+        self.issued: list[Request] = []
+        self.retrieval_s: list[float] = []
         self.index: np.ndarray | None = None
-        self.corpus: list[list[int]] = []
-        self._ids = 0
+        self._tasks: list[asyncio.Task] = []
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def may_start(self) -> bool:
-        s = self.scenario
-        if s.duration_s is not None and self.now() >= s.duration_s:
-            return False
-        if s.num_requests is not None and self.units >= s.num_requests:
-            return False
-        return not self.phases.exhausted(self.units)
+    @property
+    def workflows(self):
+        return self.workload.workflows
 
-    def tokens(self, rng: np.random.Generator, n: int) -> list[int]:
-        return [int(t) for t in rng.integers(4, self.token_range, size=n)]
-
-    def _request(self, kind: RequestKind, n_in: int, n_out: int) -> Request:
-        self._ids += 1
-        req = Request(f"{'e' if kind is EMB else 'g'}{self._ids}", kind, self.now(), n_in,
-                      max_output_tokens=n_out if kind is GEN else 0)
+    # ----- one request ----------------------------------------------------------------------
+    async def send(self, spec: RequestSpec) -> Outcome:
+        req = Request(spec.request_id, spec.kind, self.now(), spec.input_len,
+                      max_output_tokens=spec.max_output_tokens)
         self.issued.append(req)
-        return req
-
-    async def embed(self, ids: list[int]) -> tuple[Request, list[float] | None]:
-        req = self._request(EMB, len(ids), 0)
+        ids = spec.tokens.ids(self.token_range)
         try:
-            (vector,) = await self.transport.embed([ids])
+            if spec.kind is RequestKind.EMBEDDING:
+                (vector,) = await self.transport.embed([ids])
+            else:
+                vector = None
+
+                def on_token() -> None:
+                    if req.state is RequestState.WAITING:
+                        req.transition(RequestState.RUNNING)
+                        req.first_token_at = self.now()
+                    req.num_generated += 1
+
+                await self.transport.generate(ids, spec.max_output_tokens, on_token)
         except Rejected as exc:
-            req.reject(str(exc))
-            return req, None
-        req.transition(RequestState.RUNNING)
-        req.transition(RequestState.FINISHED)
-        req.finished_at = self.now()
-        return req, vector
-
-    async def generate(self, ids: list[int], n_out: int) -> Request:
-        req = self._request(GEN, len(ids), n_out)
-
-        def on_token() -> None:
             if req.state is RequestState.WAITING:
-                req.transition(RequestState.RUNNING)
-                req.first_token_at = self.now()
-            req.num_generated += 1
-
-        try:
-            await self.transport.generate(ids, n_out, on_token)
-        except Rejected as exc:
-            req.reject(str(exc))
-            return req
+                req.reject(str(exc))
+                req.finished_at = self.now()
+                return Outcome("rejected", reason=str(exc))
+            raise
         if req.state is RequestState.WAITING:
             req.transition(RequestState.RUNNING)
         req.transition(RequestState.FINISHED)
         req.finished_at = self.now()
-        return req
+        return Outcome("finished", req.num_generated, embedding=vector)
 
-    # ----- units of work -------------------------------------------------------------------
-    async def synthetic(self, rng: np.random.Generator) -> None:
-        share = self.phases.generation_share(self.now(), self.units)
-        kind, n_in, n_out = sample_synthetic(self.workload, rng, share)
-        if kind is GEN:
-            await self.generate(self.tokens(rng, n_in), n_out)
-        else:
-            await self.embed(self.tokens(rng, n_in))
-
-    async def build_index(self, rng: np.random.Generator, size: int) -> None:
-        cfg = self.workload.iter_retgen
-        self.corpus = [self.tokens(rng, cfg.doc_tokens.sample(rng)) for _ in range(size)]
-        vectors = []
-        for lo in range(0, size, 32):
-            vectors += await self.transport.embed(self.corpus[lo:lo + 32])
-        m = np.asarray(vectors, dtype=np.float32)
-        self.index = m / np.linalg.norm(m, axis=1, keepdims=True)
-
-    def retrieve(self, query: list[float], k: int) -> list[int]:
-        start = time.perf_counter()
-        q = np.asarray(query, dtype=np.float32)
-        scores = self.index @ (q / np.linalg.norm(q))
-        top = np.argsort(-scores)[:k]
-        docs = [t for i in top for t in self.corpus[i]]
-        self.retrieval_s.append(time.perf_counter() - start)
-        return docs
-
-    async def workflow(self, rng: np.random.Generator) -> None:
-        cfg = self.workload.iter_retgen
-        flow = Workflow(len(self.workflows), self.now())
-        self.workflows.append(flow)
-        question = self.tokens(rng, cfg.question_tokens.sample(rng))
-        answer: list[int] = []
-        for _ in range(cfg.iterations):
-            emb, vec = await self.embed(question + answer)
-            if vec is None:
-                return
-            docs = self.retrieve(vec, cfg.docs_per_query.sample(rng))
-            prompt = docs + question
-            if cfg.max_prompt_tokens:
-                prompt = prompt[-cfg.max_prompt_tokens:]
-            gen = await self.generate(prompt, cfg.output_tokens.sample(rng))
-            if gen.state is not RequestState.FINISHED:
-                return
-            answer = self.tokens(rng, gen.num_generated)
-            flow.iterations_done += 1
-        flow.end = self.now()
-
-    async def one(self, rng: np.random.Generator) -> None:
-        if self.workload.kind == "iter-retgen":
-            await self.workflow(rng)
-        else:
-            await self.synthetic(rng)
-
-    # ----- arrival processes ---------------------------------------------------------------
+    # ----- retrieval (workload.iter_retgen.retrieval: vector) --------------------------------
     async def prepare(self) -> None:
-        """Work before the clock starts: the retrieval index of an Iter-RetGen workload."""
-        if self.workload.kind == "iter-retgen":
-            await self.build_index(np.random.default_rng([self.scenario.seed, 9]), 256)
+        """Work before the clock starts: embed the retrieval corpus for vector search."""
+        w = self.scenario.workload
+        uses_vectors = w.kind == "iter-retgen" and w.iter_retgen.retrieval == "vector"
+        if not uses_vectors:
+            return
+        corpus = [doc.ids(self.token_range) for doc in self.workload.corpus()]
+        vectors = []
+        for lo in range(0, len(corpus), 32):
+            vectors += await self.transport.embed(corpus[lo:lo + 32])
+        m = np.asarray(vectors, dtype=np.float32)
+        self.index = m / np.maximum(np.linalg.norm(m, axis=1, keepdims=True), 1e-12)
 
-    async def run(self) -> float:
-        w, a, seed = self.workload, self.workload.arrival, self.scenario.seed
-        self.t0 = time.monotonic()
-        tasks: list[asyncio.Task] = []
-        if w.kind == "trace":
-            tasks.append(asyncio.create_task(self._replay(load_trace(w.trace), tasks)))
-        elif a.process == "closed-loop":
-            tasks += [asyncio.create_task(self._client(np.random.default_rng([seed, 1, c])))
-                      for c in range(a.clients)]
-        elif a.process == "burst":
-            rng = np.random.default_rng([seed, 2])
-            if w.kind == "iter-retgen":
-                for i in range(self.scenario.num_requests or a.clients):
-                    self.units += 1
-                    tasks.append(asyncio.create_task(self.one(np.random.default_rng([seed, 4, i]))))
+    def retrieve(self, action: Retrieve) -> list[int]:
+        if self.index is None or action.query is None:
+            return list(action.fallback)
+        start = time.perf_counter()
+        q = np.asarray(action.query, dtype=np.float32)
+        scores = self.index @ (q / max(float(np.linalg.norm(q)), 1e-12))
+        top = [int(i) for i in np.argsort(-scores)[:action.k]]
+        self.retrieval_s.append(time.perf_counter() - start)
+        return top
+
+    # ----- the sources ----------------------------------------------------------------------
+    def _spawn(self, client: Client) -> None:
+        self._tasks.append(asyncio.create_task(self._run(client)))
+
+    async def _run(self, client: Client) -> None:
+        value = None
+        while True:
+            try:
+                action = client.send(value)
+            except StopIteration:
+                return
+            value = None
+            if isinstance(action, Send):
+                if action.wait:
+                    value = await self.send(action.spec)
+                else:
+                    self._tasks.append(asyncio.create_task(self.send(action.spec)))
+            elif isinstance(action, Wait):
+                await asyncio.sleep(action.seconds)
+            elif isinstance(action, WaitUntil):
+                await asyncio.sleep(max(0.0, action.time - self.now()))
+            elif isinstance(action, Spawn):
+                self._spawn(action.client)
+            elif isinstance(action, Retrieve):
+                value = self.retrieve(action)
             else:
-                for group in w.burst:
-                    for _ in range(group.count):
-                        self.units += 1
-                        kind = GEN if group.kind == "generation" else EMB
-                        if kind is GEN:
-                            coro = self.generate(self.tokens(rng, w.generation_prompt.sample(rng)),
-                                                 w.generation_output.sample(rng))
-                        else:
-                            coro = self.embed(self.tokens(rng, w.embedding_input.sample(rng)))
-                        tasks.append(asyncio.create_task(coro))
+                raise TypeError(f"unknown workload action {action!r}")
+
+    async def run(self, on_progress: Callable[[float], None] | None = None) -> float:
+        """Run the workload; returns the end of the window (s). With ``duration_s``, what is
+        still in flight at the end is cancelled and reported unfinished."""
+        self.t0 = time.monotonic()
+        for _, client in self.workload.clients():
+            self._spawn(client)
+        duration = self.scenario.duration_s
+        if duration is not None:
+            while self.now() < duration:
+                await asyncio.sleep(min(0.25, max(0.0, duration - self.now())))
+                if on_progress:
+                    on_progress(min(1.0, self.now() / duration))
+            end = duration
+            for t in self._tasks:
+                t.cancel()
         else:
-            tasks.append(asyncio.create_task(self._open_loop(np.random.default_rng([seed, 3]), tasks)))
-        if self.scenario.duration_s is not None:
-            await asyncio.sleep(max(0.0, self.scenario.duration_s - self.now()))
-            end = self.scenario.duration_s
-            for t in tasks:
-                t.cancel()  # what is still in flight is reported unfinished
-        else:
-            while not all(t.done() for t in tasks):
-                await asyncio.gather(*[t for t in tasks if not t.done()], return_exceptions=True)
+            while not all(t.done() for t in self._tasks):
+                await asyncio.gather(*[t for t in self._tasks if not t.done()],
+                                     return_exceptions=True)
             end = self.now()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for r in results:
+            if isinstance(r, Exception) and not isinstance(r, asyncio.CancelledError):
+                raise r
         return end
 
-    async def _client(self, rng: np.random.Generator) -> None:
-        think = self.workload.arrival.think_time_s
-        while self.may_start():
-            self.units += 1
-            await self.one(rng)
-            if think:
-                await asyncio.sleep(rng.exponential(think))
 
-    async def _open_loop(self, rng: np.random.Generator, tasks: list) -> None:
-        while True:
-            await asyncio.sleep(interarrival(self.workload.arrival, rng))
-            if not self.may_start():
-                return
-            self.units += 1
-            tasks.append(asyncio.create_task(
-                self.one(np.random.default_rng([self.scenario.seed, 4, self.units]))))
-
-    async def _replay(self, rows: list[dict], tasks: list) -> None:
-        rng = np.random.default_rng([self.scenario.seed, 5])
-        for row in rows:
-            delay = row["arrival_time"] - self.now()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if not self.may_start():
-                return
-            self.units += 1
-            ids = self.tokens(rng, row["input_tokens"])
-            coro = (self.generate(ids, row["output_tokens"]) if row["kind"] == "generation"
-                    else self.embed(ids))
-            tasks.append(asyncio.create_task(coro))
+# ----- the engine's /metrics ------------------------------------------------------------------
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
 
 
-def _prometheus(text: str) -> dict[str, float]:
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``{'name{labels}': value}`` of a Prometheus text exposition."""
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) ([0-9.eE+-]+|NaN)$", line)
+        m = SAMPLE.match(line)
         if m:
-            out[m.group(1)] = float(m.group(2))
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
 
 
-async def measure(transport, scenario: Scenario, label: str, token_range: int, scrape) -> dict:
-    """Drive ``transport`` with the scenario's workload; ``scrape()`` returns the engine's
-    Prometheus text (for utilisation and budget fill)."""
-    driver = LiveDriver(transport, scenario, token_range)
-    await driver.prepare()
-    before = _prometheus(await scrape())
-    wall = time.perf_counter()
-    end = await driver.run()
-    wall = time.perf_counter() - wall
-    await asyncio.sleep(0.3)  # let the engine notice cancelled requests
-    after = _prometheus(await scrape())
+def histogram_summary(before: dict, after: dict, name: str, labels: str) -> dict:
+    """Mean and p50/p95/p99 of a Prometheus histogram's observations between two scrapes,
+    the percentiles interpolated inside buckets (as ``histogram_quantile`` does)."""
+    buckets = []
+    prefix = f"{name}_bucket{{"
+    for key, value in after.items():
+        if key.startswith(prefix) and labels in key:
+            le = re.search(r'le="([^"]+)"', key).group(1)
+            buckets.append((float("inf") if le == "+Inf" else float(le), value - before.get(key, 0.0)))
+    buckets.sort()
+    count = buckets[-1][1] if buckets else 0.0
+    if count <= 0:
+        return summary([])
+    total = after.get(f"{name}_sum{{{labels}}}", 0.0) - before.get(f"{name}_sum{{{labels}}}", 0.0)
+    out = {"mean": total / count}
+    for q_name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+        rank, lo, seen = q * count, 0.0, 0.0
+        for le, cum in buckets:
+            if cum >= rank:
+                if le == float("inf"):
+                    out[q_name] = lo
+                else:
+                    inside = cum - seen
+                    out[q_name] = lo + (le - lo) * ((rank - seen) / inside if inside else 1.0)
+                break
+            lo, seen = le, cum
+    out["count"] = int(count)
+    return out
 
+
+def engine_metrics(before: dict, after: dict, window_s: float, peak_flops: float | None) -> dict:
+    """Utilisation, budget fill, iterations, preemptions and admission waits over a window."""
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    start = min(scenario.warmup_s, end)
-    metrics = request_metrics(driver.issued, driver.workflows, start, end)
-    busy_s = delta("orthrus_iteration_seconds_sum")
-    iterations = delta("orthrus_iteration_seconds_count")
-    metrics.update({
-        "utilization": {"busy": busy_s / max(end, 1e-12), "compute": None,
-                        "per_gpu": [{"replica": 0, "role": "unified", "busy": busy_s / max(end, 1e-12),
-                                     "iterations": iterations}]},
+    span = max(window_s, 1e-12)
+    busy = delta("orthrus_busy_seconds_total") / span
+    flops = delta("orthrus_model_flops_total")
+    mfu = flops / (peak_flops * span) if peak_flops and flops else None
+    iterations = delta("orthrus_iterations_total")
+    preemptions = {k: int(delta(f'orthrus_preemptions_total{{kind="{k}"}}'))
+                   for k in ("embedding", "generation")}
+    return {
+        "utilization": {"busy": busy, "idle_gpu_s": span * (1 - busy), "mfu": mfu, "mbu": None,
+                        "per_gpu": [{"replica": 0, "role": "unified", "busy": busy, "mfu": mfu,
+                                     "iterations": int(iterations), "preemptions": preemptions}]},
         "budget_fill": delta("orthrus_budget_fill_sum") / max(delta("orthrus_budget_fill_count"), 1),
         "iterations": int(iterations),
-        "preemptions": None,
-        "retrieval_s": summary(driver.retrieval_s) if driver.retrieval_s else None,
-        "sim_end_s": end,
-        "wall_s": wall,
-    })
-    return {"schema": SCHEMA, "scenario": scenario.model_dump(mode="json", by_alias=True),
-            "runs": [{"configuration": label, "metrics": metrics}]}
+        "preemptions": preemptions,
+        "admission_wait_s": {k: histogram_summary(before, after, "orthrus_admission_wait_seconds",
+                                                  f'kind="{k}"') for k in ("embedding", "generation")},
+    }
+
+
+async def measure(transport, scenario: Scenario, label: str, token_range: int,
+                  scrape: Callable[[], Awaitable[str]],
+                  on_progress: Callable[[float], None] | None = None) -> tuple[dict, list[dict]]:
+    """Drive ``transport`` with the scenario's workload; ``scrape()`` returns the engine's
+    Prometheus text. Returns the results document and the per-request rows."""
+    from orthrus_sim.costmodel import get_hardware
+
+    driver = LiveDriver(transport, scenario, token_range)
+    await driver.prepare()
+    before = parse_prometheus(await scrape())
+    at_warmup: dict[str, float] = {}
+
+    async def mark_window_start() -> None:
+        await asyncio.sleep(scenario.warmup_s)
+        at_warmup.update(parse_prometheus(await scrape()))
+
+    marker = asyncio.create_task(mark_window_start()) if scenario.warmup_s > 0 else None
+    wall = time.perf_counter()
+    end = await driver.run(on_progress)
+    wall = time.perf_counter() - wall
+    after = parse_prometheus(await scrape())
+    if marker is not None and not marker.done():
+        marker.cancel()
+    start = min(scenario.warmup_s, end)
+    metrics = request_metrics(driver.issued, driver.workflows, start, end)
+    measured = engine_metrics(at_warmup or before, after, end - start,
+                              get_hardware(scenario.hardware).peak_flops)
+    metrics["admission_wait_s"] = measured.pop("admission_wait_s")
+    metrics.update(measured)
+    metrics.update({"retrieval_s": summary(driver.retrieval_s) if driver.retrieval_s else None,
+                    "sim_end_s": end, "wall_s": wall})
+    metrics["warnings"] = driver.workload.warnings + window_warnings(metrics)
+    doc = results_doc(scenario_dump(scenario), [{"configuration": label, "metrics": metrics}])
+    return doc, [request_row(r) for r in driver.issued]
 
 
 async def bench(url: str, scenario: Scenario, label: str = "measured", token_range: int = 500,
-                max_connections: int = 1024) -> dict:
+                max_connections: int = 1024,
+                on_progress: Callable[[float], None] | None = None) -> tuple[dict, list[dict]]:
     """Load a live server over HTTP."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0), limits=limits) as client:
@@ -374,11 +376,12 @@ async def bench(url: str, scenario: Scenario, label: str = "measured", token_ran
         async def scrape() -> str:
             return (await client.get("/metrics")).text
 
-        return await measure(HttpTransport(client, model), scenario, label, token_range, scrape)
+        return await measure(HttpTransport(client, model), scenario, label, token_range, scrape,
+                             on_progress)
 
 
 async def bench_in_process(runner, metrics, scenario: Scenario, label: str = "measured",
-                           token_range: int = 500) -> dict:
+                           token_range: int = 500) -> tuple[dict, list[dict]]:
     """Load an engine thread in this process (no HTTP)."""
     from prometheus_client import generate_latest
 
@@ -388,8 +391,17 @@ async def bench_in_process(runner, metrics, scenario: Scenario, label: str = "me
     return await measure(EngineTransport(runner), scenario, label, token_range, scrape)
 
 
-def write_results(doc: dict, out: Path) -> Path:
+def write_results(doc: dict, rows: list[dict], out: Path, plots: bool = True) -> Path:
+    """``results.json``, the per-request CSV and the plots, as ``orthrus-sim run`` writes them."""
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    path = write_json(doc, out / "results.json")
+    label = doc["runs"][0]["configuration"]
+    write_csv(out / f"requests_{label.replace(':', '_').replace('/', '_')}.csv", rows)
+    if plots and rows:
+        from orthrus_sim import plots as plotting  # matplotlib only when writing plots
+
+        runs = doc["runs"]
+        plotting.throughput_bars(runs, out / "throughput.png", f"{doc['scenario']['name']}: throughput")
+        plotting.latency_cdfs(runs, {label: rows}, out / "latency_cdf.png",
+                              f"{doc['scenario']['name']}: latency CDFs")
     return path

@@ -138,7 +138,7 @@ def load_scenario_for(seconds: float, seed: int = 1234):
     """A mixed closed-loop load through three mixes (9:1, 5:5, 1:9 embedding:generation) with
     varied lengths: compositions a grid does not produce (prefill + decodes + embedding chunks
     at once, changing every iteration), and serving's own jitter."""
-    from orthrus_sim.scenario import parse_scenario
+    from orthrus_sim.experiment.scenario import parse_scenario
 
     third = seconds / 3
     return parse_scenario({
@@ -222,6 +222,25 @@ def fit(rows: list[dict], model_dir: str, adapter_rank: int | None, hardware: st
     return cal, rows
 
 
+POOR_FIT = 0.15  # held-out MAPE over all iterations above which a calibration is called poor
+POOR_KIND = 0.30  # and for one kind of batch
+
+
+def fit_warnings(cal: CalibrationFile) -> list[str]:
+    """Say when a fit is poor: the simulator's figures inherit its error."""
+    out = []
+    overall = cal.fit_error.iteration_mape
+    if overall is not None and overall > POOR_FIT:
+        out.append(f"the fit is poor: held-out MAPE {overall:.1%} (above {POOR_FIT:.0%}); simulations "
+                   "with this calibration are off by about as much. Profile longer (--repeats, "
+                   "--load-seconds) on an idle machine, or check the engine for noisy iterations")
+    for key, value in cal.fit_error.detail.items():
+        if key.startswith("holdout_mape_") and value > POOR_KIND:
+            out.append(f"{key.removeprefix('holdout_mape_')} iterations are fitted poorly: "
+                       f"held-out MAPE {value:.1%}")
+    return out
+
+
 def write(cal: CalibrationFile, rows: list[dict], out: Path) -> Path:
     save_calibration(cal, out)
     csv_path = out.with_suffix(".csv")
@@ -247,6 +266,5 @@ def calibration_engine(model_dir: str, adapter_dir: str | None, token_budget: in
                            kv_cache_tokens, threads=threads)
 
     runner = EngineThread(make, max_queued=10**6)
-    metrics = EngineMetrics(lambda: runner.snapshot)
-    runner.on_step = metrics.on_step
+    EngineMetrics.attach(runner)
     return runner.start()

@@ -5,22 +5,36 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from orthrus_sim.engine import POLICIES
+from orthrus_sim.console import fail, interrupted, make_console, version_option
 
-app = typer.Typer(help="Orthrus real executors.", no_args_is_help=True)
+app = typer.Typer(help="Orthrus real executors.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, rich_markup_mode=None)
+console = make_console()
+
+BACKEND_HELP = ("torch (the PyTorch reference engine) | vllm (the vLLM plug-in; needs "
+                "pip install -e '.[vllm]')")
+SCENARIO_HELP = "scenario YAML file, or the name of a shipped scenario"
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=version_option("orthrus-real"),
+                                      is_eager=True, help="print the version and exit")) -> None:
+    """Orthrus real executors."""
 
 
 @app.command()
 def policies() -> None:
     """List the built-in scheduling policies (the names --policy accepts)."""
+    from orthrus_sim.engine import POLICIES
+
     table = Table("name", "serves", "what it does")
     for name, cls in POLICIES.items():
         serves = ", ".join(k.value for k in cls.serves)
-        table.add_row(name, serves, (cls.__doc__ or "").strip().split("\n")[0])
-    Console().print(table)
+        table.add_row(name, serves, escape((cls.__doc__ or "").strip().split("\n")[0]))
+    console.print(table)
 
 
 @app.command("init-model")
@@ -40,14 +54,38 @@ def init_model_cmd(
     try:
         path = init_model(out_dir, family, size, seed, dtype, shards, adapter_rank or None)
     except ValueError as exc:
-        Console().print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
-    Console().print(f"wrote {family}/{size} model to {path}"
-                    + (f" with a rank-{adapter_rank} adapter in {path / 'adapter'}" if adapter_rank else ""))
+        fail(exc)
+    console.print(f"wrote {family}/{size} model to {path}"
+                  + (f" with a rank-{adapter_rank} adapter in {path / 'adapter'}" if adapter_rank else ""),
+                  highlight=False)
 
 
-BACKEND_HELP = ("torch (the PyTorch reference engine) | vllm (the vLLM plug-in; needs "
-                "pip install -e '.[vllm]')")
+def _chunk(value: str) -> int | None:
+    """``--chunk-size``: tokens, or none/null for atomic embeddings."""
+    if value.lower() in ("none", "null"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        fail(f"--chunk-size must be a number of tokens or 'none', got {value!r}")
+
+
+def scheduler_settings(scenario: str | None, configuration: str | None, set_: list[str],
+                       policy: str, token_budget: int, chunk_size: str, max_num_seqs: int):
+    """The policy and ``SchedulerConfig`` to serve: from a scenario through the plan (the same
+    mapping the simulator uses), or from the command-line knobs."""
+    from orthrus_sim.engine import SchedulerConfig
+
+    if scenario is None:
+        if configuration is not None:
+            raise ValueError("--configuration needs --scenario")
+        return policy, SchedulerConfig(token_budget=token_budget, chunk_size=_chunk(chunk_size),
+                                       max_num_seqs=max_num_seqs)
+    from orthrus_sim.experiment.plan import engine_plan
+    from orthrus_sim.experiment.scenario import load_scenario
+
+    sc = load_scenario(scenario, set_)
+    return engine_plan(sc, configuration or sc.configurations[0])
 
 
 @app.command()
@@ -56,69 +94,78 @@ def serve(
     embedding_adapter: Path = typer.Option(None, "--embedding-adapter", help="PEFT LoRA adapter directory"),
     policy: str = typer.Option("ibs", help="policy name (ibs: Orthrus's IBS) or module:Class"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
-    port: int = typer.Option(8000),
+    port: int = typer.Option(8000, help="TCP port, 1-65535"),
     token_budget: int = typer.Option(2048),
-    chunk_size: int = typer.Option(512),
+    chunk_size: str = typer.Option("512", help="tokens per embedding chunk, or none (atomic)"),
     max_num_seqs: int = typer.Option(256),
+    scenario: str = typer.Option(None, "--scenario", help="take the policy and scheduler knobs from "
+                                 "this scenario's plan (replaces --policy and the knobs above)"),
+    configuration: str = typer.Option(None, "--configuration", help="with --scenario: the unified "
+                                      "configuration to serve (default: its first)"),
+    set_: list[str] = typer.Option([], "--set", help="with --scenario: override a field"),
     kv_cache_tokens: int = typer.Option(32768, help="KV-cache capacity in tokens"),
     max_queued: int = typer.Option(1024, help="requests in flight before 429"),
     max_body_bytes: int = typer.Option(1 << 20, help="larger request bodies get 413"),
     served_model_name: str = typer.Option(None, help="model name clients use (default: dir name)"),
     pooling: str = typer.Option("mean", help="default pooling head for /v1/embeddings"),
     device: str = typer.Option(None, help="cpu or cuda (default: cuda when present)"),
-    dtype: str = typer.Option(None, help="float32 or bfloat16 (default: the model's)"),
+    dtype: str = typer.Option(None, help="float32 or bfloat16 (default: by device)"),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
     backend: str = typer.Option("torch", help=BACKEND_HELP),
 ) -> None:
     """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine."""
     from orthrus_real.serving import build
     from orthrus_real.serving import serve as run_server
-    from orthrus_sim.engine import SchedulerConfig
 
+    if not 1 <= port <= 65535:
+        fail(f"--port must be between 1 and 65535, got {port}")
     try:
-        sched = SchedulerConfig(token_budget=token_budget, chunk_size=chunk_size,
-                                max_num_seqs=max_num_seqs)
+        policy, sched = scheduler_settings(scenario, configuration, set_, policy, token_budget,
+                                           chunk_size, max_num_seqs)
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
                              served_model_name, device, dtype, pooling, threads, backend)
-    except ValueError as exc:
-        Console().print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+    except (ValueError, RuntimeError) as exc:
+        fail(exc)
     run_server(app_, runner, host, port)
 
 
 @app.command()
 def bench(
-    scenario: Path = typer.Argument(..., help="scenario YAML (its workload section drives the load)"),
+    scenario: str = typer.Argument(..., help=SCENARIO_HELP + " (its workload drives the load)"),
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="server base URL"),
-    out: Path = typer.Option(Path("out/bench"), "--out", help="directory for results.json"),
+    out: Path = typer.Option(Path("out/bench"), "--out", help="directory for results.json, CSV, PNGs"),
     set_: list[str] = typer.Option([], "--set", help="override a scenario field: section.key=value"),
     label: str = typer.Option("measured", help="configuration name in results.json"),
     token_range: int = typer.Option(500, help="prompts use random token ids in [4, N)"),
+    fmt: str = typer.Option("table", "--format", help="table | csv | json"),
 ) -> None:
     """Load-test a live server with a scenario's workload; results in the simulator's schema."""
     import asyncio
 
+    from rich.progress import Progress
+
     from orthrus_real.bench import bench as run_bench
     from orthrus_real.bench import write_results
-    from orthrus_sim.runner import comparison_table
-    from orthrus_sim.scenario import load_scenario
+    from orthrus_sim.experiment.results import print_runs
+    from orthrus_sim.experiment.scenario import load_scenario
 
-    console = Console()
     try:
         sc = load_scenario(scenario, set_)
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
-    with console.status(f"running {sc.name} against {url} ..."):
-        try:
-            doc = asyncio.run(run_bench(url, sc, label, token_range))
-        except Exception as exc:  # connection refused, server gone: say so plainly
-            console.print(f"[red]error:[/red] bench against {url} failed: {exc}")
-            raise typer.Exit(1) from None
-    path = write_results(doc, out)
-    console.print(comparison_table(doc["runs"], f"{sc.name} against {url}"))
-    console.print(f"results: {path}")
+        fail(exc)
+    try:
+        with Progress(console=make_console(stderr=True), transient=True) as bar:
+            task = bar.add_task(f"{sc.name} against {url}", total=1.0)
+            doc, rows = asyncio.run(run_bench(url, sc, label, token_range,
+                                              on_progress=lambda f: bar.update(task, completed=f)))
+    except KeyboardInterrupt:
+        interrupted()
+    except Exception as exc:  # connection refused, server gone: say so plainly
+        fail(f"bench against {url} failed: {exc}", 1)
+    path = write_results(doc, rows, out)
+    print_runs(console, doc["runs"], f"{sc.name} against {url}", fmt)
+    console.print(f"results: {path}", highlight=False)
 
 
 @app.command()
@@ -139,9 +186,10 @@ def calibrate(
     from rich.progress import Progress
 
     from orthrus_real import calibrate as cal
+    from orthrus_real.model_files import adapter_rank
 
-    console = Console()
     try:
+        rank = adapter_rank(embedding_adapter) if embedding_adapter else None
         runner = cal.calibration_engine(str(model), str(embedding_adapter) if embedding_adapter else None,
                                         token_budget, threads=threads, backend=backend)
         grid = cal.default_grid(quick)
@@ -152,15 +200,11 @@ def calibrate(
             with console.status(f"profiling {load_seconds:.0f} s of mixed serving load"):
                 rows += cal.profile_load(runner, min(load_seconds, 6.0) if quick else load_seconds)
         runner.stop()
-        rank = None
-        if embedding_adapter:
-            from orthrus_sim.files import read_structured
-
-            rank = read_structured(embedding_adapter / "adapter_config.json", "adapter config")["r"]
         calibration, rows = cal.fit(rows, str(model), rank, hardware, backend=backend)
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
+    except KeyboardInterrupt:
+        interrupted()
     csv_path = cal.write(calibration, rows, out)
     table = Table(title=f"Cost-model fit on {len(rows)} iterations ({hardware})")
     table.add_column("rows")
@@ -169,12 +213,14 @@ def calibrate(
         if "mape" in key:
             table.add_row(key.replace("holdout_mape_", "held-out ").replace("_", " "), f"{value:.1%}")
     console.print(table)
-    console.print(f"wrote {out} and {csv_path}")
+    for warning in cal.fit_warnings(calibration):
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+    console.print(f"wrote {out} and {csv_path}", highlight=False)
 
 
 @app.command()
 def validate(
-    scenario: Path = typer.Argument(..., help="scenario YAML"),
+    scenario: str = typer.Argument(..., help=SCENARIO_HELP),
     model: Path = typer.Option(..., "--model", help="model directory"),
     calibration: Path = typer.Option(..., "--calibration", help="calibration JSON of this machine"),
     embedding_adapter: Path = typer.Option(None, "--embedding-adapter"),
@@ -188,22 +234,22 @@ def validate(
 ) -> None:
     """Run a scenario simulated and for real on this machine; print both and the errors."""
     from orthrus_real.validate import validate as run_validate
-    from orthrus_sim.scenario import read_scenario
 
-    console = Console()
     try:
         with console.status("validating ...") as status:
-            result = run_validate(read_scenario(scenario), set_, str(model),
+            result = run_validate(scenario, set_, str(model),
                                   str(embedding_adapter) if embedding_adapter else None,
                                   str(calibration), out, kv_cache_tokens, threads,
                                   progress=lambda msg: status.update(msg), via_server=via_server,
                                   backend=backend)
     except (ValueError, RuntimeError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
+    except KeyboardInterrupt:
+        interrupted()
     table = Table(title=f"{result['scenario'].name}: simulated vs measured")
     for col in ("configuration", "metric", "simulated", "measured", "error"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
+
     def fmt(v) -> str:
         return "-" if v is None else f"{v:.4g}"
 
@@ -212,7 +258,7 @@ def validate(
         table.add_row(row["configuration"], row["metric"], fmt(row["simulated"]), fmt(row["measured"]),
                       "-" if err is None else f"{err:+.1%}")
     console.print(table)
-    console.print(f"results: {out}/simulated/results.json, {out}/measured/results.json")
+    console.print(f"results: {out}/simulated/results.json, {out}/measured/results.json", highlight=False)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,7 @@ class Engine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         adapter = read_adapter(adapter_dir, cfg.num_layers) if adapter_dir else None
         self.adapter_name = adapter.name if adapter else None
+        self.adapter_rank = adapter.rank if adapter else None
         self.model = Decoder(cfg, read_weights(model_dir), self.device, adapter)
         base = scheduler or SchedulerConfig()
         block_size = base.block_size

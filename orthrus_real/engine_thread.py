@@ -55,6 +55,8 @@ class EngineThread:
         self.draining = False
         self.failed: str | None = None  # why the engine stopped stepping, if it did
         self.snapshot: dict = {}
+        self.busy_s = 0.0  # seconds spent inside engine.step()
+        self.step_started: float | None = None  # time.monotonic() of the step in flight
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -148,11 +150,15 @@ class EngineThread:
             if not engine.has_work:
                 self._publish()
                 continue
+            self.step_started = time.monotonic()
             try:
                 outputs: list[RequestOutput] = engine.step()
             except Exception as exc:  # e.g. vLLM's worker process died
                 self._fail(exc)
                 return
+            finally:
+                self.busy_s += time.monotonic() - self.step_started
+                self.step_started = None
             for out in outputs:
                 sink = self.sinks.get(out.request_id)
                 if sink is not None:
@@ -191,3 +197,8 @@ class EngineThread:
             "iterations": self.engine.iterations,
             "outstanding": self.outstanding,
         }
+
+    def busy_seconds(self) -> float:
+        """Seconds spent stepping, the step in flight included (read by the metrics)."""
+        started = self.step_started
+        return self.busy_s + (time.monotonic() - started if started is not None else 0.0)

@@ -10,11 +10,19 @@ from orthrus_real.engine import Engine
 
 class EngineMetrics:
     """Histograms fed after every iteration; gauges and request counters read at scrape time
-    from the engine thread's published snapshot (so the HTTP thread never walks live state)."""
+    from the engine thread's published snapshot (so the HTTP thread never walks live state).
 
-    def __init__(self, snapshot_source) -> None:
+    ``busy_source()`` gives the seconds spent stepping so far (the step in flight included);
+    model FLOPs are counted per iteration with the cost model's operator counts for the
+    engine's own model.
+    """
+
+    def __init__(self, snapshot_source, busy_source=None) -> None:
         self.registry = CollectorRegistry()
         self.source = snapshot_source
+        self.busy_source = busy_source
+        self.model_flops = 0.0
+        self._work = None  # (model spec, LoRA spec), set on the first step
         self.iteration_seconds = Histogram(
             "orthrus_iteration_seconds", "Time of one forward pass and emit stage",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
@@ -32,8 +40,24 @@ class EngineMetrics:
         self._tokens = {"embed_chunk": 0, "prefill_chunk": 0, "decode": 0}
         self.registry.register(self)
 
+    @classmethod
+    def attach(cls, runner) -> EngineMetrics:
+        """Metrics fed by an ``EngineThread``'s steps and snapshots."""
+        metrics = cls(lambda: runner.snapshot, runner.busy_seconds)
+        runner.on_step = metrics.on_step
+        return metrics
+
+    def _flops(self, engine: Engine, shape) -> float:
+        from orthrus_sim.costmodel import LoRASpec, get_model, iteration_work
+
+        if self._work is None:
+            rank = getattr(engine, "adapter_rank", None)
+            self._work = (get_model(str(engine.model_dir)), LoRASpec(rank) if rank else None)
+        return iteration_work(self._work[0], shape, self._work[1])[0]
+
     def on_step(self, engine: Engine) -> None:
         s = engine.stats[-1]
+        self.model_flops += self._flops(engine, s.shape)
         self.iteration_seconds.observe(s.seconds)
         self.batch_tokens.observe(s.total_tokens)
         self.budget_fill.observe(s.total_tokens / s.token_budget)
@@ -98,5 +122,10 @@ class EngineMetrics:
         yield reqs
         yield CounterMetricFamily("orthrus_iterations", "Forward passes run",
                                   value=snap.get("iterations", 0))
+        if self.busy_source is not None:
+            yield CounterMetricFamily("orthrus_busy_seconds", "Seconds spent running iterations "
+                                      "(the one in flight included)", value=self.busy_source())
+        yield CounterMetricFamily("orthrus_model_flops", "Model FLOPs of the iterations run "
+                                  "(the cost model's operator counts)", value=self.model_flops)
         yield GaugeMetricFamily("orthrus_requests_in_flight", "Requests accepted and not finished",
                                 value=snap.get("outstanding", 0))

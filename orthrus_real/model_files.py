@@ -125,14 +125,26 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_adapter(adapter_dir: str | Path, num_layers: int) -> LoRAAdapter:
-    adapter_dir = Path(adapter_dir)
+def _adapter_config(adapter_dir: Path) -> tuple[dict, int]:
     cfg = read_structured(adapter_dir / "adapter_config.json", "adapter config")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{adapter_dir}: adapter_config.json must hold a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{adapter_dir}: peft_type {cfg.get('peft_type')!r} is not LORA")
     rank = cfg.get("r")
-    if not isinstance(rank, int) or rank <= 0:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise ValueError(f"{adapter_dir}: adapter_config.json field 'r' must be a positive integer")
+    return cfg, rank
+
+
+def adapter_rank(adapter_dir: str | Path) -> int:
+    """The LoRA rank of a PEFT adapter directory (its config only)."""
+    return _adapter_config(Path(adapter_dir))[1]
+
+
+def read_adapter(adapter_dir: str | Path, num_layers: int) -> LoRAAdapter:
+    adapter_dir = Path(adapter_dir)
+    cfg, rank = _adapter_config(adapter_dir)
     scaling = float(cfg.get("lora_alpha", rank)) / rank
     if cfg.get("use_rslora"):
         scaling = float(cfg.get("lora_alpha", rank)) / math.sqrt(rank)

@@ -23,8 +23,7 @@ def build(model: str, adapter: str | None = None, policy: str = "ibs", scheduler
                                     device, dtype, threads)
 
     runner = EngineThread(make_engine, max_queued=max_queued)
-    metrics = EngineMetrics(lambda: runner.snapshot)
-    runner.on_step = metrics.on_step
+    metrics = EngineMetrics.attach(runner)
     runner.start()  # the engine is built (and steps) in its own thread
     name = served_model_name or runner.engine.model_dir.name
     app = create_app(runner, name, metrics, max_body_bytes, default_pooling=pooling)

@@ -1,5 +1,10 @@
 """``orthrus-real validate``: run a scenario in the simulator (with a calibration) and for real
-(a server process + the bench client) and compare every metric side by side."""
+(the engine in this process, or a server process and HTTP) and compare every metric side by side.
+
+Both sides run the same experiment: the scenario goes through the one plan
+(``orthrus_sim.experiment.plan``: policy and ``SchedulerConfig``) and the one workload generator
+(the same requests, token ids included).
+"""
 
 from __future__ import annotations
 
@@ -11,41 +16,41 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from orthrus_real.bench import bench, bench_in_process
 from orthrus_real.serving import wait_healthy
-from orthrus_sim.files import read_structured
-from orthrus_sim.runner import SCHEMA, scenario_dump
-from orthrus_sim.scenario import Scenario, parse_scenario
-from orthrus_sim.sim.cluster import unified_policy
-from orthrus_sim.sim.run import simulate
+from orthrus_sim.experiment.plan import engine_plan, is_unified
+from orthrus_sim.experiment.results import results_doc, write_json
+from orthrus_sim.experiment.scenario import Scenario, load_scenario, parse_scenario, scenario_dump
 
-UNIFIED = ("orthrus", "unified-hetero", "unified-homo")
 # metric paths compared (dotted into results.json metrics)
 COMPARED = (
     [f"throughput_rps.{k}" for k in ("embedding", "generation", "combined")]
     + [f"latency_s.{k}.{q}" for k in ("embedding", "generation", "ttft", "tpot")
        for q in ("mean", "p50", "p95", "p99")]
+    + [f"admission_wait_s.{k}.{q}" for k in ("embedding", "generation") for q in ("p50", "p99")]
     + ["utilization.busy", "budget_fill"]
 )
 
 
-def real_scenario(raw: dict, overrides: list[str], model_dir: str, adapter_dir: str | None,
-                  calibration: str, kv_cache_tokens: int) -> Scenario:
-    """The scenario as the simulator must see this machine: one CPU 'device', this model,
-    this calibration, the server's KV capacity."""
-    rank = None
-    if adapter_dir:
-        rank = read_structured(Path(adapter_dir) / "adapter_config.json", "adapter config")["r"]
-    block = raw.get("scheduler", {}).get("block_size", 16)
-    forced = ["hardware=cpu-2core", f"model={model_dir}", f"calibration={calibration}",
-              "cluster.gpus=1", f"embedding.lora_rank={rank if rank else 'null'}",
-              f"scheduler.num_blocks={kv_cache_tokens // block}"]
-    configs = parse_scenario(raw, "scenario", overrides).configurations
-    bad = [c for c in configs if not (c in UNIFIED or c.startswith("unified:"))]
+def real_scenario(scenario: Scenario, model_dir: str, adapter_rank: int | None, calibration: str,
+                  kv_cache_tokens: int) -> Scenario:
+    """The scenario as the simulator must see this machine: one device with the calibration's
+    hardware entry, this model and adapter rank, the engine's KV capacity."""
+    from orthrus_sim.costmodel import load_calibration
+
+    bad = [c for c in scenario.configurations if not is_unified(c)]
     if bad:
         raise ValueError(f"validate runs one engine on this machine; configurations {bad} need "
                          "several devices (use orthrus, unified-hetero, unified-homo or unified:<policy>)")
-    return parse_scenario(raw, "scenario", overrides + forced)
+    raw = scenario_dump(scenario)
+    raw.update(hardware=load_calibration(calibration).hardware, model=model_dir,
+               calibration=str(Path(calibration).resolve()))
+    raw["cluster"]["gpus"] = 1
+    raw["embedding"]["lora_rank"] = adapter_rank
+    raw["scheduler"]["num_blocks"] = kv_cache_tokens // raw["scheduler"]["block_size"]
+    return parse_scenario(raw, "scenario (as validated on this machine)")
 
 
 def _free_port() -> int:
@@ -60,30 +65,26 @@ def run_in_process(sc: Scenario, configuration: str, model_dir: str, adapter_dir
                    kv_cache_tokens: int, threads: int, backend: str = "torch") -> dict:
     """The engine in this process, driven without HTTP: the replica the simulator models."""
     from orthrus_real.serving import build
-    from orthrus_sim.engine import SchedulerConfig
 
-    policy = unified_policy(configuration, sc.scheduler.policy)
-    s = sc.scheduler
-    sched = SchedulerConfig(token_budget=s.token_budget, chunk_size=s.chunk_size,
-                            max_num_seqs=s.max_num_seqs, block_size=s.block_size)
+    policy, sched = engine_plan(sc, configuration)
     app, runner = build(model_dir, adapter_dir, policy, sched, kv_cache_tokens, max_queued=10**6,
                         threads=threads, backend=backend)
     try:
-        doc = asyncio.run(bench_in_process(runner, app.state.metrics, sc, label=configuration))
+        doc, _ = asyncio.run(bench_in_process(runner, app.state.metrics, sc, label=configuration))
     finally:
         runner.stop()
     return doc["runs"][0]
 
 
 def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str | None,
-             kv_cache_tokens: int, threads: int, log: Path, backend: str = "torch") -> dict:
-    """Start a server process with the configuration's policy, bench it, stop it."""
-    policy = unified_policy(configuration, sc.scheduler.policy)
+             kv_cache_tokens: int, threads: int, out: Path, backend: str = "torch") -> dict:
+    """Start a server process for the scenario's configuration, bench it, stop it."""
     port = _free_port()
-    s = sc.scheduler
+    scenario_file = out / "scenario.yaml"
+    scenario_file.write_text(yaml.safe_dump(scenario_dump(sc), sort_keys=False))
+    log = out / f"server_{configuration.replace(':', '_')}.log"
     cmd = [sys.executable, "-m", "orthrus_real.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--policy", policy, "--token-budget", str(s.token_budget),
-           "--chunk-size", str(s.chunk_size or s.token_budget), "--max-num-seqs", str(s.max_num_seqs),
+           "--scenario", str(scenario_file), "--configuration", configuration,
            "--kv-cache-tokens", str(kv_cache_tokens), "--max-queued", "100000",
            "--threads", str(threads), "--backend", backend]
     if adapter_dir:
@@ -96,7 +97,7 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
                 wait_healthy(url, 120.0, proc)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; see {log}") from None
-            doc = asyncio.run(bench(url, sc, label=configuration))
+            doc, _ = asyncio.run(bench(url, sc, label=configuration))
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -126,12 +127,17 @@ def compare(simulated: list[dict], measured: list[dict]) -> list[dict]:
     return rows
 
 
-def validate(raw: dict, overrides: list[str], model_dir: str, adapter_dir: str | None,
+def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter_dir: str | None,
              calibration: str, out: Path, kv_cache_tokens: int = 32768, threads: int = 2,
              progress=None, via_server: bool = False, backend: str = "torch") -> dict:
     """``via_server``: measure through a server process and HTTP (adds the HTTP stack's CPU
     time, which the simulator does not model) instead of the engine in this process."""
-    sc = real_scenario(raw, overrides, model_dir, adapter_dir, calibration, kv_cache_tokens)
+    from orthrus_real.model_files import adapter_rank
+    from orthrus_sim.sim.run import simulate  # the simulator, only when validating
+
+    base = load_scenario(scenario, overrides)
+    rank = adapter_rank(adapter_dir) if adapter_dir else None
+    sc = real_scenario(base, model_dir, rank, calibration, kv_cache_tokens)
     out.mkdir(parents=True, exist_ok=True)
     simulated, measured = [], []
     for cfg in sc.configurations:
@@ -141,15 +147,14 @@ def validate(raw: dict, overrides: list[str], model_dir: str, adapter_dir: str |
         if progress:
             progress(f"measuring {cfg} ({sc.duration_s or '?'} s)")
         if via_server:
-            measured.append(run_real(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads,
-                                     out / f"server_{cfg.replace(':', '_')}.log", backend))
+            measured.append(run_real(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads, out,
+                                     backend))
         else:
             measured.append(run_in_process(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads,
                                            backend))
+    data = scenario_dump(sc)
     for name, runs in (("simulated", simulated), ("measured", measured)):
-        (out / name).mkdir(exist_ok=True)
-        (out / name / "results.json").write_text(json.dumps(
-            {"schema": SCHEMA, "scenario": scenario_dump(sc), "runs": runs}, indent=2) + "\n")
+        write_json(results_doc(data, runs), out / name / "results.json")
     rows = compare(simulated, measured)
     (out / "comparison.json").write_text(json.dumps(rows, indent=2) + "\n")
     return {"scenario": sc, "rows": rows}

@@ -2,89 +2,114 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from orthrus_sim.scenario import load_scenario, read_scenario
+from orthrus_sim.console import fail, interrupted, make_console, version_option
 
 app = typer.Typer(help="Orthrus discrete-event simulator.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
-console = Console()
+                  pretty_exceptions_enable=False, rich_markup_mode=None)
+console = make_console()
+FORMATS = ("table", "csv", "json")
 
 
-def _fail(exc: Exception) -> None:
-    console.print(f"[red]error:[/red] {exc}")
-    raise typer.Exit(2)
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=version_option("orthrus-sim"),
+                                      is_eager=True, help="print the version and exit")) -> None:
+    """Orthrus discrete-event simulator."""
+
+
+def _format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        fail(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+SCENARIO_HELP = "scenario YAML file, or the name of a shipped scenario (quickstart, mix_sweep, ...)"
 
 
 @app.command()
 def run(
-    scenario: Path = typer.Argument(..., help="scenario YAML file"),
+    scenario: str = typer.Argument(..., help=SCENARIO_HELP),
     out: Path = typer.Option(Path("out"), "--out", help="directory for results.json, CSVs, PNGs"),
     set_: list[str] = typer.Option([], "--set", help="override a field: section.key=value (YAML)"),
     workers: int = typer.Option(0, help="parallel processes (0: one per CPU)"),
+    fmt: str = typer.Option("table", "--format", help="table | csv | json (the comparison on stdout)"),
 ) -> None:
     """Run every configuration listed in the scenario and compare them."""
+    from orthrus_sim.experiment.scenario import load_scenario
     from orthrus_sim.runner import run_scenario
 
     try:
-        load_scenario(scenario, set_)  # validate before starting workers
-        run_scenario(read_scenario(scenario), set_, out, workers or None, console)
+        sc = load_scenario(scenario, set_)
+        run_scenario(sc, out, workers or None, console, fmt=_format(fmt))
     except ValueError as exc:
-        _fail(exc)
+        fail(exc)
+    except KeyboardInterrupt:
+        interrupted()
 
 
 @app.command()
 def sweep(
-    scenario: Path = typer.Argument(..., help="scenario YAML file"),
+    scenario: str = typer.Argument(..., help=SCENARIO_HELP),
     grid: list[str] = typer.Option(..., "--grid", help="key=v1,v2,... (repeat for a grid)"),
     out: Path = typer.Option(Path("out/sweep"), "--out"),
     set_: list[str] = typer.Option([], "--set", help="override a field: section.key=value"),
     workers: int = typer.Option(0, help="parallel processes (0: one per CPU)"),
+    fmt: str = typer.Option("table", "--format", help="table | csv | json"),
 ) -> None:
     """Run a parameter grid (all configurations at each point) in parallel."""
+    from orthrus_sim.experiment.scenario import read_scenario, scenario_path
     from orthrus_sim.runner import run_sweep
 
     try:
-        load_scenario(scenario, set_)
-        run_sweep(read_scenario(scenario), set_, grid, out, workers or None, console)
+        path = scenario_path(scenario)
+        run_sweep(read_scenario(path), set_, grid, out, workers or None, console,
+                  base_dir=path.parent, source=str(path), fmt=_format(fmt))
     except ValueError as exc:
-        _fail(exc)
+        fail(exc)
+    except KeyboardInterrupt:
+        interrupted()
 
 
 @app.command()
 def validate(
-    scenario: Path = typer.Argument(..., help="scenario YAML file"),
+    scenario: str = typer.Argument(..., help=SCENARIO_HELP),
     set_: list[str] = typer.Option([], "--set", help="override a field: section.key=value"),
 ) -> None:
-    """Check a scenario without running it, and show what each configuration places where."""
-    from orthrus_sim.sim.cluster import plan_configuration
+    """Check a scenario without running it (traces and length files are read), and show what
+    each configuration places where."""
+    from orthrus_sim.experiment.plan import plan_configuration
+    from orthrus_sim.experiment.scenario import load_scenario
 
     try:
         sc = load_scenario(scenario, set_)
         table = Table(title=f"{sc.name}: placement ({sc.cluster.gpus} x {sc.hardware}, {sc.model})")
         for col in ("configuration", "GPU", "role", "policy", "token budget", "chunk", "KV blocks"):
-            table.add_column(col)
+            table.add_column(col, overflow="fold")
         for cfg in sc.configurations:
             for i, plan in enumerate(plan_configuration(sc, cfg)):
                 c = plan.config
                 table.add_row(cfg if i == 0 else "", str(i), plan.role, plan.policy,
                               str(c.token_budget), str(c.chunk_size), str(c.num_blocks))
         console.print(table)
-        console.print(f"[green]{scenario} is valid[/green]")
+        console.print(f"{escape(str(scenario))} is valid", style="green", highlight=False)
     except ValueError as exc:
-        _fail(exc)
+        fail(exc)
 
 
 @app.command()
 def catalogue() -> None:
-    """List the known hardware and models."""
+    """List the known hardware, models, shipped scenarios and calibrations."""
+    from orthrus_sim import data_dir
     from orthrus_sim.costmodel import HARDWARE, MODEL_CONFIGS, get_model
+    from orthrus_sim.experiment.scenario import shipped_calibrations
 
-    hw = Table(title="hardware", show_lines=False)
+    hw = Table(title="hardware")
     for col in ("name", "bf16 TFLOP/s", "mem GB/s", "memory GB", "link GB/s"):
         hw.add_column(col)
     for h in HARDWARE.values():
@@ -99,7 +124,10 @@ def catalogue() -> None:
         models.add_row(name, f"{m.num_params / 1e9:.2f}", str(m.num_layers), str(m.hidden_size),
                        f"{m.num_heads}/{m.num_kv_heads}", f"{m.kv_bytes_per_token / 1024:.0f}")
     console.print(models)
+    console.print("scenarios: " + ", ".join(p.stem for p in sorted(data_dir("scenarios").glob("*.yaml"))),
+                  highlight=False)
+    console.print("calibrations: " + ", ".join(shipped_calibrations()), highlight=False)
 
 
 if __name__ == "__main__":
-    app()
+    sys.exit(app())

@@ -25,3 +25,15 @@ def read_structured(path: str | Path, what: str, yaml_format: bool | None = None
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what} {path} is not valid JSON ({exc})") from None
+
+
+def resolve_path(value: str | Path, info: Any = None, must_exist: bool = True) -> Path:
+    """A path from a scenario field: relative paths resolve from the scenario file's folder
+    (pydantic validation context ``base_dir``), else from the current directory."""
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        context = getattr(info, "context", None) or {}
+        path = Path(context.get("base_dir", Path.cwd())) / path
+    if must_exist and not path.exists():
+        raise ValueError(f"file {path} does not exist")
+    return path

@@ -2,190 +2,211 @@
 
 from __future__ import annotations
 
-import csv
 import itertools
-import json
 import multiprocessing as mp
 import os
 import queue
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from orthrus_sim import plots
-from orthrus_sim.scenario import Scenario, parse_scenario
+from orthrus_sim.experiment.results import (
+    format_rows,
+    print_runs,
+    results_doc,
+    write_csv,
+    write_json,
+)
+from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump, split_gpus
 from orthrus_sim.sim.run import RunResult, simulate
 
-SCHEMA = "orthrus.results/1"
+
+@dataclass(frozen=True)
+class Task:
+    """One simulation: a scenario as plain data (validated, paths resolved) and a configuration."""
+
+    scenario: dict
+    configuration: str
+    label: str
 
 
-def _run_task(args) -> RunResult:
-    raw, overrides, configuration, key, progress_q = args
-    scenario = parse_scenario(raw, overrides=overrides)
+def run_task(task: Task, progress=None) -> RunResult:
+    scenario = parse_scenario(task.scenario, task.label)
+    return simulate(scenario, task.configuration, progress=progress)
+
+
+def _run_in_worker(args) -> RunResult:
+    task, progress_q = args
 
     def progress(frac: float) -> None:
-        if progress_q is not None:
-            progress_q.put((key, frac))
+        progress_q.put((task.label, frac))
 
-    return simulate(scenario, configuration, progress=progress)
+    return run_task(task, progress)
 
 
-def run_tasks(tasks: list[tuple[dict, list[str], str, str]], workers: int | None = None,
+def _ignore_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent reports Ctrl-C once
+
+
+def run_tasks(tasks: list[Task], workers: int | None = None,
               console: Console | None = None) -> list[RunResult]:
-    """Run ``(raw scenario, overrides, configuration, label)`` tasks with a progress bar."""
+    """Run the tasks with a progress bar, in worker processes when there are several CPUs."""
     console = console or Console(stderr=True)
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
-    columns = (TextColumn("{task.description:<36}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
-               TimeElapsedColumn())
+    columns = (TextColumn("{task.description:<36}"), BarColumn(),
+               TextColumn("{task.percentage:>5.1f}%"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
-        ids = {label: bar.add_task(label, total=1.0) for *_, label in tasks}
+        ids = {t.label: bar.add_task(t.label, total=1.0) for t in tasks}
         if workers == 1:
             results = []
-            for raw, overrides, cfg, label in tasks:
-                scenario = parse_scenario(raw, overrides=overrides)
-                results.append(simulate(scenario, cfg, progress=lambda f, label=label: bar.update(
-                    ids[label], completed=f)))
-                bar.update(ids[label], completed=1.0)
+            for t in tasks:
+                results.append(run_task(t, lambda f, label=t.label: bar.update(ids[label], completed=f)))
+                bar.update(ids[t.label], completed=1.0)
             return results
         ctx = mp.get_context("spawn")
-        with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        with ctx.Manager() as manager, ProcessPoolExecutor(
+                workers, mp_context=ctx, initializer=_ignore_sigint) as pool:
             q = manager.Queue()
-            futures = [pool.submit(_run_task, (raw, ov, cfg, label, q)) for raw, ov, cfg, label in tasks]
-            while not all(f.done() for f in futures):
-                try:
-                    label, frac = q.get(timeout=0.1)
-                    bar.update(ids[label], completed=frac)
-                except queue.Empty:
-                    pass
+            futures = [pool.submit(_run_in_worker, (t, q)) for t in tasks]
+            try:
+                while not all(f.done() for f in futures):
+                    try:
+                        label, frac = q.get(timeout=0.1)
+                        bar.update(ids[label], completed=frac)
+                    except queue.Empty:
+                        pass
+            except KeyboardInterrupt:
+                for f in futures:
+                    f.cancel()
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
             results = [f.result() for f in futures]
             for label in ids:
                 bar.update(ids[label], completed=1.0)
             return results
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        path.write_text("")
-        return
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+def _safe(name: str) -> str:
+    return name.replace(":", "_").replace("/", "_")
 
 
-def _fmt(v, digits=2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def comparison_table(runs: list[dict], title: str) -> Table:
-    table = Table(title=title)
-    for col in ("configuration", "emb/s", "gen/s", "total/s", "emb p50", "emb p99", "gen p99",
-                "TTFT p99", "busy", "fill", "unfin."):
-        table.add_column(col, justify="right")
-    for run in runs:
-        m = run["metrics"]
-        lat = m["latency_s"]
-        table.add_row(
-            run["configuration"], _fmt(m["throughput_rps"]["embedding"]),
-            _fmt(m["throughput_rps"]["generation"]), _fmt(m["throughput_rps"]["combined"]),
-            _fmt(lat["embedding"]["p50"], 3), _fmt(lat["embedding"]["p99"], 3),
-            _fmt(lat["generation"]["p99"]), _fmt(lat["ttft"]["p99"], 3),
-            f"{m['utilization']['busy']:.0%}", f"{m['budget_fill']:.0%}",
-            str(sum(m["unfinished"].values())),
-        )
-    table.caption = "throughput in requests/s, latencies in seconds; fill = mean token-budget use"
-    return table
-
-
-def scenario_dump(scenario: Scenario) -> dict:
-    return scenario.model_dump(mode="json", by_alias=True)
-
-
-def run_scenario(raw: dict, overrides: list[str], out: Path, workers: int | None = None,
-                 console: Console | None = None, plots_too: bool = True) -> dict:
+def run_scenario(scenario: Scenario, out: Path, workers: int | None = None,
+                 console: Console | None = None, plots_too: bool = True,
+                 fmt: str = "table") -> dict:
     console = console or Console()
-    scenario = parse_scenario(raw, overrides=overrides)
-    tasks = [(raw, overrides, cfg, cfg) for cfg in scenario.configurations]
-    results = run_tasks(tasks, workers)
+    data = scenario_dump(scenario)
+    results = run_tasks([Task(data, cfg, cfg) for cfg in scenario.configurations], workers)
     runs = [{"configuration": r.configuration, "metrics": r.metrics} for r in results]
-    doc = {"schema": SCHEMA, "scenario": scenario_dump(scenario), "runs": runs}
+    doc = results_doc(data, runs)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(doc, out / "results.json")
     for r in results:
-        safe = r.configuration.replace(":", "_").replace("/", "_")
-        _write_csv(out / f"requests_{safe}.csv", r.requests)
-        _write_csv(out / f"timeline_{safe}.csv", r.timeline)
+        write_csv(out / f"requests_{_safe(r.configuration)}.csv", r.requests)
+        write_csv(out / f"timeline_{_safe(r.configuration)}.csv", r.timeline)
     if plots_too:
-        title = scenario.name
-        plots.throughput_bars(runs, out / "throughput.png", f"{title}: throughput")
-        plots.latency_cdfs(runs, {r.configuration: r.requests for r in results},
-                           out / "latency_cdf.png", f"{title}: latency CDF")
-        plots.timelines(runs, {r.configuration: r.timeline for r in results},
-                        out / "timeline.png", f"{title}: utilisation and queue")
-    console.print(comparison_table(runs, f"{scenario.name} ({scenario.cluster.gpus} GPU, "
-                                         f"{scenario.hardware}, {scenario.model})"))
-    console.print(f"results: {out / 'results.json'}")
+        from orthrus_sim import plots
+
+        plots.run_plots(scenario.name, runs, {r.configuration: r.requests for r in results},
+                        {r.configuration: r.timeline for r in results}, out)
+    print_runs(console, runs, f"{scenario.name} ({scenario.cluster.gpus} GPU, {scenario.hardware}, "
+                              f"{scenario.model})", fmt)
+    console.print(f"results: {out / 'results.json'}", highlight=False)
     return doc
 
 
+# ----- sweeps --------------------------------------------------------------------------------
 def parse_grid(grid: list[str]) -> list[tuple[str, list[str]]]:
     out = []
     for item in grid:
         if "=" not in item:
             raise ValueError(f"--grid {item!r}: expected key=v1,v2,...")
         key, _, values = item.partition("=")
-        vals = [v for v in values.split(",") if v != ""]
-        if not vals:
-            raise ValueError(f"--grid {item!r}: no values")
+        vals = [v.strip() for v in values.split(",") if v.strip() != ""]
+        if not key.strip() or not vals:
+            raise ValueError(f"--grid {item!r}: expected key=v1,v2,... with at least one value")
         out.append((key.strip(), vals))
     return out
 
 
-def run_sweep(raw: dict, overrides: list[str], grid: list[str], out: Path,
-              workers: int | None = None, console: Console | None = None) -> dict:
-    console = console or Console()
+def plan_sweep(raw: dict, overrides: list[str], grid: list[str], base_dir: Path | None = None,
+               source: str = "scenario") -> tuple[Scenario, list[tuple[str, list[str]]], list[dict]]:
+    """Every point of the grid, checked before anything runs: a bad key or value fails here
+    with the scenario error that names it; only a configuration that a point cannot hold
+    (dedicated-1:3 on 2 GPUs) is skipped, with its reason."""
+    base = parse_scenario(raw, source, overrides, base_dir, check_fit=False)
     axes = parse_grid(grid)
     points = []
-    tasks = []
     for combo in itertools.product(*[vals for _, vals in axes]):
         point_over = [f"{k}={v}" for (k, _), v in zip(axes, combo)]
-        label_base = ",".join(point_over)
-        point = {"overrides": {k: v for (k, _), v in zip(axes, combo)}, "runs": [], "skipped": {}}
-        points.append(point)
-        configs = parse_scenario(raw, overrides=overrides).configurations
-        for cfg in configs:
-            try:  # a configuration may not fit this point (e.g. dedicated-1:3 on 2 GPUs)
-                parse_scenario(raw,
-                               overrides=overrides + point_over + [f"configurations=[{cfg}]"])
+        label = ", ".join(point_over)
+        sc = parse_scenario(raw, f"grid point {label}", overrides + point_over, base_dir,
+                            check_fit=False)
+        point = {"overrides": dict(zip((k for k, _ in axes), combo)), "tasks": [], "skipped": {}}
+        for cfg in sc.configurations:
+            try:
+                split_gpus(cfg, sc.cluster.gpus)
             except ValueError as exc:
-                point["skipped"][cfg] = str(exc).splitlines()[-1].strip()
+                point["skipped"][cfg] = str(exc)
                 continue
-            point["runs"].append(None)
-            tasks.append((raw, overrides + point_over + [f"configurations=[{cfg}]"], cfg,
-                          f"{label_base} {cfg}"))
-    results = iter(run_tasks(tasks, workers))
-    for point in points:
-        point["runs"] = [
-            {"configuration": r.configuration, "metrics": r.metrics}
-            for r in (next(results) for _ in point["runs"])
-        ]
-    base = parse_scenario(raw, overrides=overrides)
-    doc = {"schema": SCHEMA, "scenario": scenario_dump(base), "grid": dict(axes), "points": points}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(doc, indent=2) + "\n")
-    table = Table(title=f"{base.name}: sweep (combined requests/s)")
-    table.add_column("point")
-    configs = list(dict.fromkeys(run["configuration"] for p in points for run in p["runs"]))
-    for cfg in configs:
-        table.add_column(cfg, justify="right")
+            data = scenario_dump(sc) | {"configurations": [cfg]}
+            point["tasks"].append(Task(data, cfg, f"{label} {cfg}"))
+        points.append(point)
+    return base, axes, points
+
+
+def run_sweep(raw: dict, overrides: list[str], grid: list[str], out: Path,
+              workers: int | None = None, console: Console | None = None,
+              base_dir: Path | None = None, source: str = "scenario", fmt: str = "table") -> dict:
+    console = console or Console()
+    base, axes, points = plan_sweep(raw, overrides, grid, base_dir, source)
     for p in points:
-        cells = {run["configuration"]: run["metrics"]["throughput_rps"]["combined"] for run in p["runs"]}
-        table.add_row(", ".join(f"{k}={v}" for k, v in p["overrides"].items()),
-                      *[_fmt(cells.get(c)) for c in configs])
-    console.print(table)
-    plots.sweep_plot(points, axes[0][0], out / "sweep.png", f"{base.name}: sweep over {axes[0][0]}")
-    console.print(f"results: {out / 'sweep.json'}")
+        for cfg, reason in p["skipped"].items():
+            console.print(f"skipped {cfg} at {p['overrides']}: {reason}", highlight=False)
+    tasks = [t for p in points for t in p["tasks"]]
+    if not tasks:
+        raise ValueError("every point of the grid was skipped: nothing to run")
+    results = iter(run_tasks(tasks, workers))
+    doc_points = []
+    for p in points:
+        runs = [{"configuration": r.configuration, "metrics": r.metrics}
+                for r in (next(results) for _ in p["tasks"])]
+        doc_points.append({"overrides": p["overrides"], "runs": runs, "skipped": p["skipped"]})
+    data = scenario_dump(base)
+    doc = {**results_doc(data, []), "grid": dict(axes), "points": doc_points}
+    doc.pop("runs")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(doc, out / "sweep.json")
+    from orthrus_sim import plots
+
+    sweep_summary(console, base.name, doc_points, fmt)
+    plots.sweep_plot(doc_points, axes[0][0], out / "sweep.png", f"{base.name}: sweep over {axes[0][0]}")
+    console.print(f"results: {out / 'sweep.json'}", highlight=False)
     return doc
+
+
+def sweep_summary(console: Console, name: str, points: list[dict], fmt: str) -> None:
+    """Combined throughput per point and configuration."""
+    configs = list(dict.fromkeys(run["configuration"] for p in points for run in p["runs"]))
+    rows = []
+    for p in points:
+        row = {"point": ", ".join(f"{k}={v}" for k, v in p["overrides"].items())}
+        cells = {run["configuration"]: run["metrics"]["throughput_rps"]["combined"] for run in p["runs"]}
+        row.update({c: cells.get(c) for c in configs})
+        rows.append(row)
+    if fmt != "table":
+        console.print(format_rows(rows, fmt), markup=False, highlight=False, soft_wrap=True)
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{name}: sweep (combined requests/s)")
+    table.add_column("point", overflow="fold")
+    for cfg in configs:
+        table.add_column(cfg, justify="right", overflow="fold")
+    for row in rows:
+        table.add_row(row["point"], *["-" if row[c] is None else f"{row[c]:.2f}" for c in configs])
+    console.print(table)

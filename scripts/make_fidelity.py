@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from orthrus_real.validate import validate
-from orthrus_sim.scenario import read_scenario
+from orthrus_sim.experiment.scenario import read_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 MIXES = {"9:1": 0.1, "5:5": 0.5, "1:9": 0.9}

@@ -1,16 +1,22 @@
-"""orthrus-real bench against a live loopback server: the simulator's results schema."""
+"""orthrus-real bench against a live loopback server: the simulator's results schema, and the
+very same requests as the simulator for the same scenario and seed.
+
+Every run here is bounded by request counts, not by a wall-clock window, so a slow or busy
+machine changes how long it takes, not what it checks.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("httpx")
 
-from orthrus_real.bench import bench  # noqa: E402
-from orthrus_sim.scenario import parse_scenario  # noqa: E402
+from orthrus_real.bench import LiveDriver, bench, write_results  # noqa: E402
+from orthrus_sim.experiment.scenario import parse_scenario  # noqa: E402
 from orthrus_sim.sim.run import simulate  # noqa: E402
 from tests.test_server import start_server  # noqa: E402
 
@@ -21,41 +27,107 @@ def live(tiny_models):
     return url
 
 
-def test_closed_loop_mix_writes_the_simulators_schema(live):
-    raw = {"name": "live", "seed": 3, "duration_s": 3, "configurations": ["orthrus"],
+def mix(**extra) -> dict:
+    raw = {"name": "live", "seed": 3, "num_requests": 40, "configurations": ["orthrus"],
            "workload": {"arrival": {"process": "closed-loop", "clients": 6}, "generation_share": 0.5,
                         "embedding_input": {"dist": "uniform", "low": 8, "high": 100},
                         "generation_prompt": {"dist": "fixed", "value": 16},
                         "generation_output": {"dist": "fixed", "value": 8}}}
-    scenario = parse_scenario(raw)
-    doc = asyncio.run(bench(live, scenario))
+    raw.update(extra)
+    return raw
+
+
+def test_closed_loop_mix_writes_the_simulators_schema(live, tmp_path):
+    scenario = parse_scenario(mix())
+    doc, rows = asyncio.run(bench(live, scenario))
     measured = doc["runs"][0]["metrics"]
     simulated = simulate(scenario, "orthrus").metrics
-    assert doc["schema"] == "orthrus.results/1"
-    for key in ("throughput_rps", "latency_s", "utilization", "budget_fill", "completed",
-                "unfinished", "rejected", "issued", "iterations", "window_s"):
-        assert key in measured and key in simulated
+    assert doc["schema"] == "orthrus.results/1" and doc["scenario_sha256"] and doc["version"]
+    for key in ("throughput_rps", "latency_s", "admission_wait_s", "utilization", "budget_fill",
+                "completed", "unfinished", "rejected", "issued", "iterations", "preemptions",
+                "window_s", "warnings"):
+        assert key in measured and key in simulated, key
     assert set(measured["latency_s"]) == set(simulated["latency_s"])
-    assert measured["completed"]["embedding"] > 0 and measured["completed"]["generation"] > 0
+    for m in (measured, simulated):
+        assert sum(m["completed"].values()) == 40
+        assert m["completed"]["embedding"] > 0 and m["completed"]["generation"] > 0
     assert measured["latency_s"]["ttft"]["p50"] <= measured["latency_s"]["generation"]["p50"]
     for kind in ("embedding", "generation"):
         m = measured
         assert m["issued"][kind] == m["completed"][kind] + m["unfinished"][kind] + m["rejected"][kind]
+        # from the server's /metrics histogram: every request was admitted once
+        assert m["admission_wait_s"][kind]["count"] == m["completed"][kind]
     assert 0 < measured["utilization"]["busy"] <= 1.05
+    assert measured["iterations"] > 0 and measured["utilization"]["mfu"] > 0
+    assert measured["preemptions"] == {"embedding": 0, "generation": 0}
+    path = write_results(doc, rows, tmp_path)
+    assert json.loads(path.read_text())["runs"][0]["configuration"] == "measured"
+    assert (tmp_path / "requests_measured.csv").read_text().count("\n") == 41
+    assert (tmp_path / "latency_cdf.png").exists()
 
 
-def test_iter_retgen_workflows_with_real_retrieval(live):
+@pytest.mark.parametrize("workload", [
+    {"arrival": {"process": "closed-loop", "clients": 4, "think_time_s": 0.01},
+     "generation_share": 0.5},
+    {"pools": [{"kind": "embedding", "process": "closed-loop", "clients": 2},
+               {"kind": "generation", "process": "poisson", "rate": 60.0}]},
+    {"arrival": {"process": "burst"}, "burst": [{"kind": "generation", "count": 5},
+                                                {"kind": "embedding", "count": 7}]},
+], ids=["closed-loop", "pools", "burst"])
+def test_simulator_and_bench_send_the_same_requests(live, workload):
+    """The same scenario and seed: the same requests in the simulator and against a server
+    (ids, kinds, lengths, token ids, intended send times); only when each is sent may differ."""
+    workload = {"embedding_input": {"dist": "uniform", "low": 8, "high": 60},
+                "generation_prompt": {"dist": "uniform", "low": 4, "high": 30},
+                "generation_output": {"dist": "fixed", "value": 3}, **workload}
+    scenario = parse_scenario(mix(num_requests=24, workload=workload))
+    simulated = simulate(scenario, "orthrus", keep_specs=True).specs
+
+    async def measured():
+        import httpx
+
+        from orthrus_real.bench import HttpTransport
+
+        async with httpx.AsyncClient(base_url=live, timeout=60) as client:
+            driver = LiveDriver(HttpTransport(client, "llama"), scenario, keep_specs=True)
+            await driver.run()
+            return driver.workload.specs
+
+    live_specs = asyncio.run(measured())
+
+    def streams(specs):
+        out: dict[str, list] = {}
+        for s in specs:
+            out.setdefault(s.client, []).append(
+                (s.request_id, s.kind, s.input_len, s.max_output_tokens,
+                 tuple(s.tokens.ids(500)), s.intended_at))
+        return out
+
+    expected = 12 if "burst" in json.dumps(workload) else 24  # 5 + 7 burst arrivals
+    assert len(simulated) == len(live_specs) == expected
+    sim, real = streams(simulated), streams(live_specs)
+    # a client's n-th request is the same in both runs; how many each closed-loop client sent
+    # under the shared num_requests cap depends on timing
+    for client in set(sim) | set(real):
+        a, b = sim.get(client, []), real.get(client, [])
+        n = min(len(a), len(b))
+        assert a[:n] == b[:n], client
+    if "burst" in json.dumps(workload):
+        assert sim == real
+
+
+def test_iter_retgen_workflows(live):
     raw = {"name": "live-iter", "seed": 1, "num_requests": 3, "configurations": ["orthrus"],
            "workload": {"kind": "iter-retgen", "arrival": {"process": "closed-loop", "clients": 2},
-                        "iter_retgen": {"iterations": 2,
+                        "iter_retgen": {"iterations": 2, "corpus_size": 16, "retrieval": "vector",
                                         "docs_per_query": {"dist": "uniform", "low": 1, "high": 3},
                                         "doc_tokens": {"dist": "fixed", "value": 30},
                                         "question_tokens": {"dist": "fixed", "value": 10},
                                         "output_tokens": {"dist": "fixed", "value": 6}}}}
-    doc = asyncio.run(bench(live, parse_scenario(raw)))
+    doc, _ = asyncio.run(bench(live, parse_scenario(raw)))
     m = doc["runs"][0]["metrics"]
     assert m["completed"] == {"embedding": 6, "generation": 6, "workflow": 3}
-    assert m["retrieval_s"]["count"] == 6
+    assert m["retrieval_s"]["count"] == 6  # a real vector search over the embedded corpus
     assert m["latency_s"]["workflow"]["count"] == 3
 
 
@@ -66,6 +138,8 @@ def test_burst_and_rejections_are_reported(live):
                         "embedding_input": {"dist": "fixed", "value": 5000},
                         "generation_prompt": {"dist": "fixed", "value": 8},
                         "generation_output": {"dist": "fixed", "value": 4}}}
-    m = asyncio.run(bench(live, parse_scenario(raw)))["runs"][0]["metrics"]
+    doc, _ = asyncio.run(bench(live, parse_scenario(raw)))
+    m = doc["runs"][0]["metrics"]
     assert m["completed"]["generation"] == 4
     assert m["rejected"]["embedding"] == 4  # 5,000 tokens > the tiny model's 4,096
+    assert any("only 4 generation requests" in w for w in m["warnings"])

@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 
 from orthrus_real.cli import app  # noqa: E402
 from orthrus_sim.costmodel import load_calibration  # noqa: E402
-from orthrus_sim.scenario import parse_scenario  # noqa: E402
+from orthrus_sim.experiment.scenario import parse_scenario  # noqa: E402
 from orthrus_sim.sim.run import simulate  # noqa: E402
 
 

@@ -342,8 +342,9 @@ def test_ibs_embedding_admission_wait_is_bounded_while_generations_saturate_kv(
         out_len, emb_len, emb_times, seed):
     """A generation arrives every iteration, more than the cache holds; an embedding that
     arrives meanwhile is admitted once the generations holding blocks at its arrival could
-    have finished, not after the whole generation stream (its blocks are held back from new
-    generations, and decodes never evict it)."""
+    have finished (once per embedding ahead of it in its FCFS queue), not after the whole
+    generation stream: its blocks are held back from new generations, and decodes never evict
+    it."""
     rng = np.random.default_rng(seed)
     cfg = SchedulerConfig(token_budget=512, chunk_size=128, block_size=16, num_blocks=120,
                           max_num_seqs=256)
@@ -353,9 +354,11 @@ def test_ibs_embedding_admission_wait_is_bounded_while_generations_saturate_kv(
     reqs = make_requests(gens + embs)
     drive(policy, reqs)
     prompt_iters = 2  # a 96-token prompt needs one chunk; one iteration of slack
-    for r in reqs[len(gens):]:
+    embeds = reqs[len(gens):]
+    for r in embeds:
         wait = r.admitted_at - r.arrival_time
-        assert wait <= out_len + prompt_iters + 3, (r.request_id, wait)
+        place = 1 + sum(1 for o in embeds if o.order < r.order and o.admitted_at > r.arrival_time)
+        assert wait <= place * (out_len + prompt_iters + 3), (r.request_id, wait, place)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -420,3 +423,18 @@ def test_chunked_pooling_equals_single_pass(length, chunk, dim, head, normalize,
 def test_all_policies_registered():
     assert set(POLICIES) >= {"ibs", "unified-hetero", "unified-homo", "embedding-only",
                              "generation", "prefill-only", "decode-only"}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy_name=st.sampled_from(["ibs", "unified-hetero", "unified-homo", "generation"]),
+       specs=st.lists(request_spec, min_size=1, max_size=30), k=knobs)
+def test_reserve_admission_never_preempts(policy_name, specs, k):
+    """kv_admission: reserve admits a generation only when every running one's final length
+    fits, so (outputs ending at their expected length) no decode ever has to preempt."""
+    if policy_name == "generation":
+        specs = [("generation", *rest) for _, *rest in specs]
+    policy = make_policy(policy_name, config_from(k, kv_admission="reserve"))
+    reqs = make_requests(specs)
+    drive(policy, reqs, invariant_checker({}, []))
+    assert policy.preemptions == {"embedding": 0, "generation": 0}
+    assert all(r.state in (RequestState.FINISHED, RequestState.REJECTED) for r in reqs)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from orthrus_sim.cli import app
 from orthrus_sim.costmodel import get_model
-from orthrus_sim.scenario import parse_scenario
+from orthrus_sim.experiment.scenario import parse_scenario
 from orthrus_sim.sim.run import simulate
 
 A, B = 0.01, 0.0001  # the test cost: A seconds per iteration plus B per token
@@ -26,6 +26,9 @@ class LinearCost:
         return A + B * shape.tokens
 
     def shape_flops(self, shape):
+        return 0.0
+
+    def shape_bytes(self, shape):
         return 0.0
 
     def decode_step_times(self, shape, steps):
@@ -84,7 +87,7 @@ def test_worked_example_dedicated():
 
 
 def test_worked_example_disaggregated():
-    t = finish_times("disagg-pd", 2)
+    t = finish_times("disagg-pd-1:1", 2)
     transfer = 128 * get_model("mistral-7b-v0.1").kv_bytes_per_token / 600e9
     assert t["embedding"] == pytest.approx(BOTH)
     assert t["ttft"] == pytest.approx(BOTH)
@@ -121,20 +124,20 @@ def test_single_replica_matches_md1_queueing():
 
 def mixed_raw(**extra) -> dict:
     raw = {
-        "name": "mixed", "seed": 11, "duration_s": 20, "calibration": "calibration/a100-40gb.json",
+        "name": "mixed", "seed": 11, "duration_s": 20, "calibration": "a100-40gb",
         "cluster": {"gpus": 2},
         "workload": {"arrival": {"process": "closed-loop", "clients": 48}, "generation_share": 0.4,
                      "embedding_input": {"dist": "uniform", "low": 16, "high": 1500},
                      "generation_prompt": {"dist": "lognormal", "median": 200, "sigma": 0.8,
                                            "max": 3000},
                      "generation_output": {"dist": "uniform", "low": 1, "high": 300}},
-        "configurations": ["dedicated-1:1", "disagg-pd", "unified-homo", "unified-hetero", "orthrus"],
+        "configurations": ["dedicated-1:1", "disagg-pd-1:1", "unified-homo", "unified-hetero", "orthrus"],
     }
     raw.update(extra)
     return raw
 
 
-@pytest.mark.parametrize("configuration", ["dedicated-1:1", "disagg-pd", "unified-homo",
+@pytest.mark.parametrize("configuration", ["dedicated-1:1", "disagg-pd-1:1", "unified-homo",
                                            "unified-hetero", "orthrus"])
 def test_conservation(configuration):
     result = simulate(parse_scenario(mixed_raw()), configuration)

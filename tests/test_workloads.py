@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orthrus_sim.scenario import load_scenario, parse_scenario
+from orthrus_sim.experiment.scenario import load_scenario, parse_scenario
 from orthrus_sim.sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_trace_replay_issues_exactly_the_trace(tmp_path):
                                                    if r["kind"] == "generation"]
     csv_trace = tmp_path / "t.csv"
     csv_trace.write_text("arrival_time,kind,input_tokens,output_tokens\n0,video,5,1\n")
-    with pytest.raises(ValueError, match="row 1: kind must be embedding or generation"):
+    with pytest.raises(ValueError, match="t.csv, row 2: kind must be embedding or generation"):
         simulate(parse_scenario(base(kind="trace", trace=str(csv_trace))), "orthrus")
 
 
@@ -87,3 +87,120 @@ def test_least_work_router_balances_better_than_round_robin_under_skew():
         raw["cluster"]["router"] = router
         p99[router] = simulate(parse_scenario(raw), "orthrus").metrics["latency_s"]["generation"]["p99"]
     assert p99["least-work"] <= p99["round-robin"] * 1.05
+
+
+@pytest.mark.parametrize("raw", [
+    {"name": "x", "duration_s": 1.0, "scheduler": {"num_blocks": 4},
+     "workload": {"generation_share": 0.0, "arrival": {"process": "closed-loop", "clients": 1},
+                  "embedding_input": {"dist": "fixed", "value": 100}},
+     "configurations": ["orthrus"]},
+    {"name": "x", "duration_s": 1.0,
+     "workload": {"generation_share": 0.0, "arrival": {"process": "closed-loop", "clients": 3}},
+     "configurations": ["unified:generation"]},
+], ids=["kv-too-small", "no-replica-serves-it"])
+def test_a_workload_whose_every_request_is_rejected_ends_and_says_so(raw):
+    """Defect: a closed-loop client (think time 0) whose request was rejected issued the next at
+    the same simulated instant, for ever, and memory grew without bound."""
+    from orthrus_sim.experiment.workload import MAX_ZERO_TIME_REJECTIONS
+
+    result = simulate(parse_scenario(raw), raw["configurations"][0])
+    m = result.metrics
+    clients = raw["workload"]["arrival"]["clients"]
+    assert m["rejected"]["embedding"] == clients * MAX_ZERO_TIME_REJECTIONS
+    assert m["completed"]["embedding"] == 0
+    assert any("requests in a row were rejected" in w for w in m["warnings"])
+    assert any("no request completed" in w for w in m["warnings"])
+    reasons = {r["reject_reason"] for r in result.requests}
+    assert len(reasons) == 1 and ("KV blocks" in next(iter(reasons))
+                                  or "does not serve embedding" in next(iter(reasons)))
+
+
+def test_per_type_pools_and_ramp():
+    """Per-type closed-loop pools keep each type's own load: embedding throughput no longer
+    follows the generation side (one mixed pool ties them to the mix)."""
+    raw = base(pools=[{"kind": "embedding", "process": "closed-loop", "clients": 8, "ramp_s": 2.0},
+                      {"kind": "generation", "process": "closed-loop", "clients": 4,
+                       "think_time_s": 0.5}],
+               generation_output={"dist": "fixed", "value": 64})
+    raw.update(duration_s=20, warmup_s=2)
+    result = simulate(parse_scenario(raw), "orthrus")
+    rows = result.requests
+    firsts = sorted(min(r["arrival_s"] for r in rows if r["request_id"].split("-")[1] == f"p0c{c}")
+                    for c in range(8))
+    assert firsts == pytest.approx([2.0 * c / 8 for c in range(8)])  # the ramp
+    gen_clients = {r["request_id"].split("-")[1] for r in rows if r["kind"] == "generation"}
+    emb_clients = {r["request_id"].split("-")[1] for r in rows if r["kind"] == "embedding"}
+    assert gen_clients == {f"p1c{c}" for c in range(4)} and emb_clients == {f"p0c{c}" for c in range(8)}
+    m = result.metrics
+    assert m["throughput_rps"]["embedding"] > 5 * m["throughput_rps"]["generation"]
+
+
+def test_time_phases_bring_their_own_pools():
+    raw = base(phases=[{"duration_s": 5, "pools": [{"kind": "embedding", "process": "poisson",
+                                                    "rate": 50}]},
+                       {"duration_s": 5, "pools": [{"kind": "generation", "process": "poisson",
+                                                    "rate": 20}]}],
+               generation_output={"dist": "fixed", "value": 8})
+    result = simulate(parse_scenario(raw), "orthrus")
+    early = {r["kind"] for r in result.requests if r["arrival_s"] < 5}
+    late = {r["kind"] for r in result.requests if r["arrival_s"] >= 5}
+    assert early == {"embedding"} and late == {"generation"}
+
+
+def test_latency_counts_requests_that_arrive_in_the_window():
+    """Percentiles over requests that arrive after the warm-up: the synchronised start of
+    closed-loop clients is out of them."""
+    raw = base(arrival={"process": "closed-loop", "clients": 64}, generation_share=1.0,
+               generation_output={"dist": "fixed", "value": 32})
+    raw.update(duration_s=30, warmup_s=10)
+    result = simulate(parse_scenario(raw), "orthrus")
+    in_window = [r for r in result.requests if r["arrival_s"] >= 10 and r["latency_s"] is not None
+                 and r["finished_s"] <= 30]
+    m = result.metrics
+    assert m["latency_s"]["generation"]["count"] == len(in_window)
+    assert m["latency_s"]["ttft"]["p99"] == pytest.approx(np.percentile(
+        [r["first_token_s"] - r["arrival_s"] for r in in_window], 99))
+
+
+def test_short_window_and_few_completions_warn():
+    raw = base(arrival={"process": "closed-loop", "clients": 4}, generation_share=1.0,
+               generation_output={"dist": "fixed", "value": 2000})
+    raw.update(duration_s=20)
+    warnings = simulate(parse_scenario(raw), "orthrus").metrics["warnings"]
+    assert any("shorter than 3 mean generation latencies" in w or "too few samples" in w
+               for w in warnings), warnings
+
+
+def test_bare_split_names_are_refused():
+    with pytest.raises(ValueError, match="name the split it compares, e.g. dedicated-1:3"):
+        parse_scenario(base() | {"configurations": ["dedicated"], "duration_s": 1})
+
+
+def test_trace_errors_name_file_and_row(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_time": 0, "kind": "embedding", "input_tokens": 5}\n{"arrival_time": 1,')
+    with pytest.raises(ValueError, match=r"bad.jsonl, row 2: not valid JSON"):
+        parse_scenario(base(kind="trace", trace=str(bad)) | {"duration_s": 1})
+    empty = tmp_path / "empty.csv"
+    empty.write_text("arrival_time,kind,input_tokens,output_tokens\n")
+    with pytest.raises(ValueError, match="holds no requests"):
+        parse_scenario(base(kind="trace", trace=str(empty)))
+    neg = tmp_path / "neg.csv"
+    neg.write_text("arrival_time,kind,input_tokens,output_tokens\n-1,embedding,5,\n")
+    with pytest.raises(ValueError, match=r"neg.csv, row 2: arrival_time must be a finite number >= 0"):
+        parse_scenario(base(kind="trace", trace=str(neg)))
+
+
+def test_paths_resolve_from_the_scenario_file(tmp_path, monkeypatch):
+    import yaml
+
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "lens.txt").write_text("7\n9\n")
+    (folder / "t.jsonl").write_text('{"arrival_time": 0, "kind": "embedding", "input_tokens": 5}\n')
+    (folder / "s.yaml").write_text(yaml.safe_dump(base(
+        embedding_input={"dist": "empirical", "path": "lens.txt"}, kind="trace", trace="t.jsonl")))
+    monkeypatch.chdir(tmp_path)
+    sc = load_scenario(folder / "s.yaml")
+    assert Path(sc.workload.trace) == folder / "t.jsonl"
+    assert sc.calibration is None

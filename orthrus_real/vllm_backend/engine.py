@@ -35,10 +35,11 @@ class VllmEngine(Engine):
         cfg = self._open(model_dir, dtype)
         _check_head_size(cfg.head_dim, self.model_dir)
         base = scheduler or SchedulerConfig()
-        self.adapter_name, self._lora = None, None
+        self.adapter_name, self._lora, self.adapter_rank = None, None, None
         engine_args: dict = {}
         if adapter_dir:
             self.adapter_name, self._lora, rank = _lora_request(Path(adapter_dir), cfg.num_layers)
+            self.adapter_rank = rank
             # Two slots for one adapter: vLLM's torch LoRA ops (its CPU path) index the weight
             # stack with -1 for "no adapter", which is the last slot. Kept empty, that slot
             # is zeros, so generation rows in a mixed batch get no LoRA; with one slot they

@@ -30,7 +30,7 @@ from orthrus_sim.costmodel.calibration import (
     save_calibration,
 )
 from orthrus_sim.costmodel.coefficients import Coefficients, OpCoeffs
-from orthrus_sim.costmodel.cost import CostModel
+from orthrus_sim.costmodel.cost import CostModel, iteration_work
 from orthrus_sim.costmodel.hardware import HARDWARE, Hardware, get_hardware
 from orthrus_sim.costmodel.memory import kv_cache_blocks
 from orthrus_sim.costmodel.model import (
@@ -46,6 +46,6 @@ from orthrus_sim.costmodel.shape import BatchShape
 __all__ = [
     "HARDWARE", "MODEL_CONFIGS", "OPERATORS", "BatchShape", "CalibrationFile", "Coefficients",
     "CostModel", "Hardware", "LoRASpec", "ModelSpec", "OpCoeffs", "OperatorSample",
-    "fit_iterations", "fit_operator", "get_hardware", "get_model", "kv_cache_blocks",
+    "fit_iterations", "fit_operator", "get_hardware", "get_model", "iteration_work", "kv_cache_blocks",
     "load_calibration", "operator_work", "save_calibration", "spec_from_config",
 ]

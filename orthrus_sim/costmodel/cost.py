@@ -26,7 +26,7 @@ class CostModel:
         self.coefficients = coefficients or Coefficients()
         self.lora = lora
         self._token_cache: dict[int, float] = {}
-        self._flops_cache: dict[int, float] = {}
+        self._work_caches: tuple[dict[int, float], dict[int, float]] = ({}, {})
 
     def _op_time(self, name: str, flops: float, bytes_: float) -> float:
         if flops == 0.0 and bytes_ == 0.0:
@@ -67,22 +67,22 @@ class CostModel:
         return self.shape_time(BatchShape.from_batch(batch, adapter=self.lora is not None))
 
     def shape_flops(self, shape: BatchShape) -> float:
-        """Useful FLOPs of one iteration (for compute utilisation)."""
+        """Useful FLOPs of one iteration (model FLOP utilisation)."""
+        return self._shape_work(shape, 0)
+
+    def shape_bytes(self, shape: BatchShape) -> float:
+        """Bytes one iteration moves to and from device memory (memory-bandwidth utilisation)."""
+        return self._shape_work(shape, 1)
+
+    def _shape_work(self, shape: BatchShape, index: int) -> float:
         if shape.num_seqs == 0:
             return 0.0
-        fixed = self._flops_cache.get(shape.tokens)
+        cache = self._work_caches[index]
+        fixed = cache.get(shape.tokens)
         if fixed is None:
-            fixed = self._layer_sum(token_work(self.model, shape.tokens), index=0)
-            self._flops_cache[shape.tokens] = fixed
-        return fixed + self._layer_sum(variable_work(self.model, shape, self.lora), index=0)
-
-    def _layer_sum(self, work: dict[str, tuple[float, float]], index: int) -> float:
-        layers = self.model.num_layers
-        total = 0.0
-        for name, pair in work.items():
-            reps = PER_LAYER.get(name, 0)
-            total += pair[index] * (reps * layers if reps else 1)
-        return total
+            fixed = _layer_sum(self.model, token_work(self.model, shape.tokens), index)
+            cache[shape.tokens] = fixed
+        return fixed + _layer_sum(self.model, variable_work(self.model, shape, self.lora), index)
 
     def decode_step_times(self, shape: BatchShape, steps: int) -> list[float]:
         """Times of ``steps`` consecutive all-decode iterations starting from ``shape``: each
@@ -95,3 +95,23 @@ class CostModel:
             kv += shape.decodes
         shape.decode_kv = kv - shape.decodes * steps
         return times
+
+
+def _layer_sum(model: ModelSpec, work: dict[str, tuple[float, float]], index: int) -> float:
+    """Whole-model FLOPs (``index`` 0) or bytes (1) of per-operator work."""
+    layers = model.num_layers
+    total = 0.0
+    for name, pair in work.items():
+        reps = PER_LAYER.get(name, 0)
+        total += pair[index] * (reps * layers if reps else 1)
+    return total
+
+
+def iteration_work(model: ModelSpec, shape: BatchShape, lora: LoRASpec | None = None
+                   ) -> tuple[float, float]:
+    """FLOPs and bytes of one iteration over ``shape``, whatever the hardware (a real engine
+    counts its model FLOPs with this)."""
+    if shape.num_seqs == 0:
+        return 0.0, 0.0
+    work = operator_work(model, shape, lora)
+    return _layer_sum(model, work, 0), _layer_sum(model, work, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WAITING_WORK_MODES = ("prompt", "prompt+output")
+KV_ADMISSION_MODES = ("optimistic", "reserve")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class SchedulerConfig:
     waiting_work: how IBS counts a waiting generation request's remaining work: ``"prompt"``
         (prompt tokens only, the default) or ``"prompt+output"`` (plus its expected output).
     max_model_len: longest sequence the model accepts; longer requests are rejected.
+    kv_admission: when a generation request may take KV blocks: ``"optimistic"`` (its prompt
+        fits; decodes grow later and preempt when the cache is full, as vLLM does) or
+        ``"reserve"`` (the expected final length of every running generation, its own included,
+        fits: no preemption while outputs end within ``expected_output_tokens``).
     """
 
     token_budget: int = 4096
@@ -34,6 +39,7 @@ class SchedulerConfig:
     num_blocks: int = 4096
     waiting_work: str = "prompt"
     max_model_len: int | None = None
+    kv_admission: str = "optimistic"
 
     def __post_init__(self) -> None:
         def positive(name: str, value: object) -> None:
@@ -55,6 +61,11 @@ class SchedulerConfig:
         positive("num_blocks", self.num_blocks)
         if self.max_model_len is not None:
             positive("max_model_len", self.max_model_len)
+        if self.kv_admission not in KV_ADMISSION_MODES:
+            raise ValueError(
+                f"scheduler.kv_admission must be one of {', '.join(KV_ADMISSION_MODES)}, "
+                f"got {self.kv_admission!r}"
+            )
         if self.waiting_work not in WAITING_WORK_MODES:
             raise ValueError(
                 f"scheduler.waiting_work must be one of {', '.join(WAITING_WORK_MODES)}, "

@@ -69,12 +69,12 @@ class IBSPolicy(Policy):
     def fill(self, batch: BatchUnit, now: float) -> None:
         self.schedule_decodes(batch)
         we, wg = self.waiting_work()
+        self._set_aside_for_embedding_head(we, wg)
         credits = self.credits
         if not we:
             credits.embed = 0.0  # a queue that empties starts afresh (brief §2.3)
         if not wg:
             credits.gen = 0.0
-        self._set_aside_for_embedding_head(we, wg)
         embed_on = gen_on = True
         while True:
             emb = self.next_embedding() if embed_on else None
@@ -99,9 +99,11 @@ class IBSPolicy(Policy):
     def _set_aside_for_embedding_head(self, we: int, wg: int) -> None:
         """KV by work share: while embeddings hold at most ``we/(we+wg)`` of the cache (and
         always for one head), the waiting embedding head's blocks are set aside before any
-        generation admission of this iteration, so blocks that generations free are not taken
-        by new generations while it waits. Beyond that share it claims them on its turn only
-        (``schedule_embedding`` holds them back when it is offered and refused)."""
+        generation admission of this iteration, so blocks that running requests free are not
+        taken by new generations while it waits. Beyond that share it claims them on its turn
+        only (``schedule_embedding`` holds them back when it is offered and refused). Decodes
+        grow first and are never restricted: evicting a generation for an embedding's blocks
+        cost ~7 % throughput in ``scenarios/kv_pressure.yaml`` (docs/scheduler.md)."""
         head = self.next_embedding()
         if head is None or head.state is not RequestState.WAITING or self._embed_slots_full():
             return

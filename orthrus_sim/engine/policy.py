@@ -390,6 +390,8 @@ class Policy(abc.ABC):
                 return 0
             if not self._kv_allows(self.blocks.extra_blocks(rid, request.seq_len), rid):
                 return 0
+            if self.config.kv_admission == "reserve" and not self._growth_fits(request):
+                return 0
             self._admit(request, request.seq_len, now)
             self._waiting_gen.remove(request)
             self._running.append(request)
@@ -464,6 +466,17 @@ class Policy(abc.ABC):
         """Admission test: ``blocks`` fit beside what is held back for other requests."""
         held_for_others = self._held_back - self._held_for.get(request_id, 0)
         return blocks <= self.blocks.num_free - held_for_others
+
+    def _final_blocks(self, request: Request) -> int:
+        """Blocks a generation request will hold at its expected end."""
+        final = request.input_len + max(request.expected_output_tokens, request.num_generated + 1)
+        return max(self.blocks.held(request.request_id), self.blocks.blocks_for(final))
+
+    def _growth_fits(self, request: Request) -> bool:
+        """``kv_admission: reserve``: the running generations' expected final sizes, this
+        request's, what embeddings hold and what is held back all fit the cache."""
+        projected = sum(self._final_blocks(r) for r in self._running) + self._final_blocks(request)
+        return projected + self.embedding_blocks() + self._held_back <= self.blocks.num_blocks
 
     def _hold_back(self, request_id: str, blocks: int) -> None:
         """Set ``blocks`` of the free pool aside for a waiting embedding head for the rest of

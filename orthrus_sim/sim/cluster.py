@@ -1,105 +1,18 @@
-"""Placement of the five configurations onto GPUs, the router, and KV transfer for Disagg-PD."""
+"""The cluster: replicas placed by the plan, the router, and KV transfer for Disagg-PD."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import simpy
 
-from orthrus_sim.costmodel import (
-    Coefficients,
-    CostModel,
-    LoRASpec,
-    get_hardware,
-    get_model,
-    kv_cache_blocks,
-    load_calibration,
-)
-from orthrus_sim.engine.config import SchedulerConfig
+from orthrus_sim.costmodel import get_hardware, get_model
 from orthrus_sim.engine.registry import make_policy
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
-from orthrus_sim.scenario import Scenario, split_gpus
+from orthrus_sim.experiment.plan import coefficients, plan_configuration
+from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.replica import Replica
-
-
-@dataclass
-class ReplicaPlan:
-    role: str  # unified | embedding | generation | prefill | decode
-    policy: str
-    cost: object
-    config: SchedulerConfig
-
-
-def _coefficients(scenario: Scenario) -> Coefficients:
-    if scenario.calibration:
-        return load_calibration(scenario.calibration).to_coefficients()
-    return Coefficients()
-
-
-def unified_policy(configuration: str, user_policy: str | None = None) -> str:
-    """The policy every GPU of a unified configuration runs: ``orthrus`` is IBS (or the
-    scenario's ``scheduler.policy``), ``unified-hetero``/``unified-homo`` their baselines,
-    ``unified:<policy>`` that policy."""
-    if configuration.startswith("unified:"):
-        return configuration.split(":", 1)[1]
-    if configuration == "orthrus":
-        return user_policy or "ibs"
-    return configuration
-
-
-def plan_configuration(scenario: Scenario, name: str, cost_factory=None) -> list[ReplicaPlan]:
-    """Which replica runs on each GPU for configuration ``name``.
-
-    Dedicated and disaggregated replicas run stock-server behaviour: atomic embeddings (no
-    chunking, as vLLM's pooling runner with mean pooling) and homogeneous FCFS batches.
-    ``cost_factory(model_spec, lora) -> cost`` replaces the roofline (tests use it).
-    """
-    hw = get_hardware(scenario.hardware)
-    base = get_model(scenario.model)
-    emb_model = get_model(scenario.embedding.model) if scenario.embedding.model else base
-    lora = (LoRASpec(scenario.embedding.lora_rank, tuple(scenario.embedding.lora_targets))
-            if scenario.embedding.lora_rank else None)
-    coeffs = _coefficients(scenario)
-    sch = scenario.scheduler
-    gpus = scenario.cluster.gpus
-
-    def cost(model, adapter):
-        if cost_factory is not None:
-            return cost_factory(model, adapter)
-        return CostModel(hw, model, coeffs, adapter)
-
-    def config(model, adapter, budget, chunk) -> SchedulerConfig:
-        blocks = sch.num_blocks or kv_cache_blocks(hw, model, sch.block_size, budget,
-                                                   sch.max_num_seqs,
-                                                   scenario.cluster.memory_utilization, adapter)
-        return SchedulerConfig(token_budget=budget, chunk_size=chunk, max_num_seqs=sch.max_num_seqs,
-                               block_size=sch.block_size, num_blocks=blocks,
-                               waiting_work=sch.waiting_work,
-                               max_model_len=base.max_position_embeddings)
-
-    if name in ("orthrus", "unified-hetero", "unified-homo") or name.startswith("unified:"):
-        policy = unified_policy(name, sch.policy)
-        chunk = sch.chunk_size
-        return [ReplicaPlan("unified", policy, cost(base, lora),
-                            config(base, lora, sch.token_budget, chunk)) for _ in range(gpus)]
-    gen_budget = sch.generation_token_budget or sch.token_budget
-    first, second = split_gpus(name, gpus)
-    if name.startswith("dedicated"):
-        n_emb, n_gen = first, second
-        plans = [ReplicaPlan("embedding", "embedding-only", cost(emb_model, None),
-                             config(emb_model, None, sch.token_budget, None)) for _ in range(n_emb)]
-        plans += [ReplicaPlan("generation", "generation", cost(base, None),
-                              config(base, None, gen_budget, None)) for _ in range(n_gen)]
-        return plans
-    n_pre, n_dec = first, second
-    plans = [ReplicaPlan("prefill", "prefill-only", cost(base, lora),
-                         config(base, lora, sch.token_budget, None)) for _ in range(n_pre)]
-    plans += [ReplicaPlan("decode", "decode-only", cost(base, None),
-                          config(base, None, gen_budget, None)) for _ in range(n_dec)]
-    return plans
-
 
 ROLES_FOR = {
     RequestKind.EMBEDDING: ("unified", "embedding", "prefill"),
@@ -118,9 +31,17 @@ class Cluster:
         self.name = name
         self.on_done = on_done
         self.router = scenario.cluster.router
-        self.plans = plan_configuration(scenario, name, cost_factory)
+        self.plans = plan_configuration(scenario, name)
+        self.hardware = get_hardware(scenario.hardware)
+        coeffs = coefficients(scenario)
+
+        def cost(plan):
+            if cost_factory is not None:  # tests replace the roofline
+                return cost_factory(plan.model, plan.lora)
+            return plan.cost_model(self.hardware, coeffs)
+
         self.replicas = [
-            Replica(env, i, plan.role, make_policy(plan.policy, plan.config), plan.cost,
+            Replica(env, i, plan.role, make_policy(plan.policy, plan.config), cost(plan),
                     self._on_leave, fast_forward)
             for i, plan in enumerate(self.plans)
         ]
@@ -131,7 +52,7 @@ class Cluster:
         self._rr = {key: itertools.count() for key in ("embedding", "generation", "decode")}
         model = get_model(scenario.model)
         self._kv_bytes_per_token = model.kv_bytes_per_token
-        self._link_bw = get_hardware(scenario.hardware).interconnect_bw
+        self._link_bw = self.hardware.interconnect_bw
         self.kv_transfers = 0
         self.kv_transfer_s = 0.0
 

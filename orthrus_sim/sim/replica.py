@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import simpy
 
@@ -22,15 +22,20 @@ from orthrus_sim.engine.request import Request
 
 @dataclass
 class ReplicaStats:
+    """Cumulative counters of one replica (a window is the difference of two copies)."""
+
     iterations: int = 0
     busy_s: float = 0.0
     flops: float = 0.0
+    bytes: float = 0.0
     tokens: int = 0
     budget_fill_sum: float = 0.0
     embed_tokens: int = 0
     gen_tokens: int = 0
     decode_runs: int = 0
-    samples: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def minus(self, earlier: ReplicaStats) -> ReplicaStats:
+        return ReplicaStats(**{k: v - getattr(earlier, k) for k, v in vars(self).items()})
 
 
 def _delay_to(now: float, target: float) -> float:
@@ -58,7 +63,7 @@ class Replica:
         self.adapter = getattr(cost, "lora", None) is not None
         self._wake: simpy.Event | None = None
         self._run: tuple | None = None  # a decode run in flight: batch, shape, start, ends
-        self._busy_since: float | None = None  # start of the iteration (or run) in flight
+        self._in_flight: tuple[float, float, float, float] | None = None  # start, end, flops, bytes
         self.outstanding_work = 0  # tokens routed here and not finished (least-work router)
         self._work: dict[str, int] = {}
         self.process = env.process(self.run())
@@ -79,18 +84,24 @@ class Replica:
             self.outstanding_work -= self._work.pop(req.request_id, 0)
             self.on_leave(req, self)
 
-    def busy_time(self) -> float:
-        """Seconds spent in iterations so far, counting the one in flight up to now."""
-        if self._busy_since is None:
-            return self.stats.busy_s
-        return self.stats.busy_s + (self.env.now - self._busy_since)
+    def progress(self) -> ReplicaStats:
+        """The counters so far, with the iteration (or decode run) in flight counted pro rata
+        up to now: what monitors and windows read."""
+        if self._in_flight is None:
+            return replace(self.stats)
+        start, end, flops, bytes_ = self._in_flight
+        frac = 0.0 if end <= start else min(1.0, (self.env.now - start) / (end - start))
+        return replace(self.stats, busy_s=self.stats.busy_s + (self.env.now - start),
+                       flops=self.stats.flops + frac * flops, bytes=self.stats.bytes + frac * bytes_)
 
-    def _account(self, shape: BatchShape, steps: int, seconds: float, flops: float) -> None:
-        self._busy_since = None
+    def _account(self, shape: BatchShape, steps: int, seconds: float, flops: float,
+                 bytes_: float) -> None:
+        self._in_flight = None
         s = self.stats
         s.iterations += steps
         s.busy_s += seconds
         s.flops += flops
+        s.bytes += bytes_
         s.tokens += shape.tokens * steps
         s.budget_fill_sum += steps * shape.tokens / self.policy.config.token_budget
         s.embed_tokens += shape.pooled_rows * steps
@@ -111,9 +122,10 @@ class Replica:
                 yield from self._decode_run(batch, shape, steps)
                 continue
             seconds = cost.shape_time(shape)
-            self._busy_since = env.now
+            flops, bytes_ = cost.shape_flops(shape), cost.shape_bytes(shape)
+            self._in_flight = (env.now, env.now + seconds, flops, bytes_)
             yield env.timeout(seconds)
-            self._account(shape, 1, seconds, cost.shape_flops(shape))
+            self._account(shape, 1, seconds, flops, bytes_)
             self._leave(policy.complete(batch, env.now))
 
     def _decode_run(self, batch, shape: BatchShape, steps: int):
@@ -127,7 +139,8 @@ class Replica:
             t += dt
             ends.append(t)
         self._run = (batch, shape, start, ends)
-        self._busy_since = start
+        flops, bytes_ = self._run_work(shape, steps)
+        self._in_flight = (start, ends[-1], flops, bytes_)
         self._wake = env.event()
         timeout = env.timeout(_delay_to(start, ends[-1]))
         yield env.any_of([timeout, self._wake])
@@ -140,15 +153,22 @@ class Replica:
                 yield env.timeout(_delay_to(env.now, ends[done - 1]))
         self._apply_run(done)
 
+    def _run_work(self, shape: BatchShape, steps: int) -> tuple[float, float]:
+        """FLOPs and bytes of ``steps`` decode iterations from ``shape`` (work grows linearly
+        with the context, so the mean of the first and last is exact)."""
+        cost = self.cost
+        first = cost.shape_flops(shape), cost.shape_bytes(shape)
+        kv0 = shape.decode_kv
+        shape.decode_kv = kv0 + shape.decodes * (steps - 1)
+        last = cost.shape_flops(shape), cost.shape_bytes(shape)
+        shape.decode_kv = kv0
+        return (first[0] + last[0]) / 2 * steps, (first[1] + last[1]) / 2 * steps
+
     def _apply_run(self, done: int) -> None:
         batch, shape, start, ends = self._run
         self._run = None
-        first_flops = self.cost.shape_flops(shape)
-        kv0 = shape.decode_kv
-        shape.decode_kv = kv0 + shape.decodes * (done - 1)
-        last_flops = self.cost.shape_flops(shape)
-        shape.decode_kv = kv0
-        self._account(shape, done, ends[done - 1] - start, (first_flops + last_flops) / 2 * done)
+        flops, bytes_ = self._run_work(shape, done)
+        self._account(shape, done, ends[done - 1] - start, flops, bytes_)
         self.stats.decode_runs += 1
         if done == 1:
             self._leave(self.policy.complete(batch, ends[0]))

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import simpy
 
-from orthrus_sim.costmodel import get_hardware
-from orthrus_sim.scenario import Scenario
+from orthrus_sim.experiment.results import request_metrics, request_row, window_warnings
+from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.cluster import Cluster
-from orthrus_sim.sim.metrics import compute_metrics, request_row
-from orthrus_sim.sim.workload import Driver
+from orthrus_sim.sim.driver import SimDriver
+from orthrus_sim.sim.metrics import replica_metrics
 
 
 @dataclass
@@ -21,40 +21,54 @@ class RunResult:
     metrics: dict
     requests: list[dict]
     timeline: list[dict]
+    specs: list = field(default_factory=list)  # the workload's RequestSpecs (keep_specs)
 
 
 def _monitor(env: simpy.Environment, cluster: Cluster, interval: float, rows: list[dict],
              progress: Callable[[float], None] | None, horizon: float | None):
-    last_busy = [0.0] * len(cluster.replicas)
+    """Every ``interval``: waiting requests, and per GPU its busy fraction, MFU and MBU over the
+    interval, KV use and requests holding blocks."""
+    hw = cluster.hardware
+    last = [rep.progress() for rep in cluster.replicas]
     while True:
         yield env.timeout(interval)
         snaps = [rep.policy.snapshot() for rep in cluster.replicas]
         row = {"time_s": env.now, "queue_length": sum(s.waiting for s in snaps)}
         for i, (rep, snap) in enumerate(zip(cluster.replicas, snaps)):
-            busy = rep.busy_time()
-            row[f"busy_{i}"] = min(1.0, (busy - last_busy[i]) / interval)
+            now = rep.progress()
+            d = now.minus(last[i])
+            row[f"busy_{i}"] = min(1.0, d.busy_s / interval)
+            row[f"mfu_{i}"] = d.flops / (hw.peak_flops * interval)
+            row[f"mbu_{i}"] = d.bytes / (hw.mem_bw * interval)
             row[f"kv_usage_{i}"] = snap.kv_usage
             row[f"running_{i}"] = snap.embeddings_running + snap.generations_running
-            last_busy[i] = busy
+            last[i] = now
         rows.append(row)
         if progress is not None and horizon:
             progress(min(1.0, env.now / horizon))
 
 
 def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_forward: bool = True,
-             progress: Callable[[float], None] | None = None) -> RunResult:
+             progress: Callable[[float], None] | None = None, keep_specs: bool = False) -> RunResult:
     """Run ``configuration`` of ``scenario`` to its end; deterministic for a given seed."""
     wall = time.perf_counter()
     env = simpy.Environment()
-    driver_box: list[Driver] = []
-    cluster = Cluster(env, scenario, configuration, lambda r: driver_box[0].request_done(r),
+    box: list[SimDriver] = []
+    cluster = Cluster(env, scenario, configuration, lambda r: box[0].request_done(r),
                       cost_factory, fast_forward)
-    driver = Driver(env, scenario, cluster.submit)
-    driver_box.append(driver)
+    driver = SimDriver(env, scenario, cluster.submit, keep_specs)
+    box.append(driver)
     driver.start()
     timeline: list[dict] = []
-    horizon = scenario.duration_s
-    env.process(_monitor(env, cluster, scenario.timeline_interval_s, timeline, progress, horizon))
+    env.process(_monitor(env, cluster, scenario.timeline_interval_s, timeline, progress,
+                         scenario.duration_s))
+    at_warmup: list = []
+
+    def mark_window_start():
+        yield env.timeout(scenario.warmup_s)
+        at_warmup.extend(rep.progress() for rep in cluster.replicas)
+
+    env.process(mark_window_start())
     if scenario.duration_s is not None:
         env.run(until=scenario.duration_s)
         end = scenario.duration_s
@@ -66,22 +80,24 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
         end = env.now
     if progress is not None:
         progress(1.0)
-    metrics = compute_metrics(
-        driver.issued, driver.workflows, cluster.replicas, min(scenario.warmup_s, end), end,
-        get_hardware(scenario.hardware).peak_flops, time.perf_counter() - wall,
-        {"kv_transfers": cluster.kv_transfers, "kv_transfer_s": cluster.kv_transfer_s,
-         "sim_end_s": end},
-    )
+    start = min(scenario.warmup_s, end)
+    first = at_warmup or [type(rep.stats)() for rep in cluster.replicas]
+    window = [rep.progress().minus(s) for rep, s in zip(cluster.replicas, first)]
+    metrics = request_metrics(driver.issued, driver.workflows, start, end)
+    metrics.update(replica_metrics(cluster.replicas, window, end - start, cluster.hardware))
+    metrics.update({"kv_transfers": cluster.kv_transfers, "kv_transfer_s": cluster.kv_transfer_s,
+                    "sim_end_s": end, "sim_wall_s": time.perf_counter() - wall})
     if scenario.workload.phases:
         metrics["phases"] = phase_metrics(driver, scenario)
+    metrics["warnings"] = driver.workload.warnings + window_warnings(metrics)
     rows = [request_row(r) for r in driver.issued]
     if driver.phase_of:
         for row in rows:
             row["phase"] = driver.phase_of.get(row["request_id"])
-    return RunResult(configuration, metrics, rows, timeline)
+    return RunResult(configuration, metrics, rows, timeline, driver.workload.specs or [])
 
 
-def phase_metrics(driver: Driver, scenario: Scenario) -> list[dict]:
+def phase_metrics(driver: SimDriver, scenario: Scenario) -> list[dict]:
     """Per phase: its mix, what was issued and finished, and when its last request finished."""
     out = []
     for i, phase in enumerate(scenario.workload.phases):

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from orthrus_sim.files import resolve_path
 
 
 class _Dist(BaseModel):
@@ -95,11 +97,14 @@ class Empirical(_Dist):
     column: str | None = None
     _values: np.ndarray | None = None
 
+    @field_validator("path")
+    @classmethod
+    def _resolve(cls, v, info: ValidationInfo):
+        return str(resolve_path(v, info))
+
     @model_validator(mode="after")
     def _load(self):
         p = Path(self.path)
-        if not p.exists():
-            raise ValueError(f"file {self.path} does not exist")
         text = p.read_text()
         if p.suffix == ".json":
             values = json.loads(text)
@@ -107,9 +112,10 @@ class Empirical(_Dist):
             rows = list(csv.DictReader(text.splitlines()))
             if not rows or (self.column or "") not in rows[0]:
                 raise ValueError(f"{self.path}: needs 'column' naming one of its CSV columns")
-            values = [float(r[self.column]) for r in rows]
+            values = [_number(r[self.column], self.path, i) for i, r in enumerate(rows, start=2)]
         else:
-            values = [float(line) for line in text.split() if line.strip()]
+            values = [_number(x, self.path, i)
+                      for i, x in enumerate(text.splitlines(), start=1) if x.strip()]
         arr = np.asarray(values, dtype=float)
         if arr.size == 0 or np.any(arr < 1):
             raise ValueError(f"{self.path}: needs at least one value, all >= 1")
@@ -122,6 +128,13 @@ class Empirical(_Dist):
     @property
     def mean(self):
         return float(self._values.mean())
+
+
+def _number(text, path: str, line: int) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}, line {line}: {text!r} is not a number") from None
 
 
 LengthDist = Annotated[Fixed | Uniform | Normal | LogNormal | Empirical, Field(discriminator="dist")]

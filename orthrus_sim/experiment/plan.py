@@ -1,0 +1,126 @@
+"""The plan: how a scenario's configuration is placed on GPUs, which policy each replica runs,
+with which ``SchedulerConfig``. The only such mapping: the simulator, ``orthrus-real validate``,
+``bench`` and ``serve --scenario`` all use it.
+
+Dedicated and disaggregated replicas run stock-server behaviour: atomic embeddings (no chunking,
+as vLLM's pooling runner with mean pooling) and homogeneous FCFS batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from orthrus_sim.costmodel import (
+    Coefficients,
+    CostModel,
+    Hardware,
+    LoRASpec,
+    ModelSpec,
+    get_hardware,
+    get_model,
+    kv_cache_blocks,
+    load_calibration,
+)
+from orthrus_sim.engine.config import SchedulerConfig
+from orthrus_sim.engine.registry import resolve_policy
+from orthrus_sim.experiment.scenario import Scenario, split_gpus
+
+UNIFIED = ("orthrus", "unified-hetero", "unified-homo")
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """One GPU of a configuration."""
+
+    role: str  # unified | embedding | generation | prefill | decode
+    policy: str
+    config: SchedulerConfig
+    model: ModelSpec
+    lora: LoRASpec | None  # the embedding adapter this replica applies to embedding rows
+
+    def cost_model(self, hardware: Hardware, coefficients: Coefficients) -> CostModel:
+        return CostModel(hardware, self.model, coefficients, self.lora)
+
+
+def is_unified(configuration: str) -> bool:
+    return configuration in UNIFIED or configuration.startswith("unified:")
+
+
+def unified_policy(configuration: str, user_policy: str | None = None) -> str:
+    """The policy every GPU of a unified configuration runs: ``orthrus`` is IBS (or the
+    scenario's ``scheduler.policy``), ``unified-hetero``/``unified-homo`` their baselines,
+    ``unified:<policy>`` that policy."""
+    if configuration.startswith("unified:"):
+        return configuration.split(":", 1)[1]
+    if configuration == "orthrus":
+        return user_policy or "ibs"
+    if configuration in UNIFIED:
+        return configuration
+    raise ValueError(f"configuration {configuration!r} is not a unified one "
+                     f"({', '.join(UNIFIED)}, unified:<policy>)")
+
+
+def coefficients(scenario: Scenario) -> Coefficients:
+    if scenario.calibration:
+        return load_calibration(scenario.calibration).to_coefficients()
+    return Coefficients()
+
+
+def embedding_lora(scenario: Scenario) -> LoRASpec | None:
+    e = scenario.embedding
+    return LoRASpec(e.lora_rank, tuple(e.lora_targets)) if e.lora_rank else None
+
+
+def plan_configuration(scenario: Scenario, name: str) -> list[ReplicaPlan]:
+    """Which replica runs on each GPU for configuration ``name``."""
+    hw = get_hardware(scenario.hardware)
+    base = get_model(scenario.model)
+    emb_model = get_model(scenario.embedding.model) if scenario.embedding.model else base
+    lora = embedding_lora(scenario)
+    sch = scenario.scheduler
+    gpus = scenario.cluster.gpus
+
+    def config(model: ModelSpec, adapter: LoRASpec | None, budget: int,
+               chunk: int | None) -> SchedulerConfig:
+        blocks = sch.num_blocks or kv_cache_blocks(hw, model, sch.block_size, budget,
+                                                   sch.max_num_seqs,
+                                                   scenario.cluster.memory_utilization, adapter)
+        return SchedulerConfig(token_budget=budget, chunk_size=chunk, max_num_seqs=sch.max_num_seqs,
+                               block_size=sch.block_size, num_blocks=blocks,
+                               waiting_work=sch.waiting_work, kv_admission=sch.kv_admission,
+                               max_model_len=base.max_position_embeddings)
+
+    if is_unified(name):
+        policy = unified_policy(name, sch.policy)
+        resolve_policy(policy)
+        cfg = config(base, lora, sch.token_budget, sch.chunk_size)
+        return [ReplicaPlan("unified", policy, cfg, base, lora) for _ in range(gpus)]
+    gen_budget = sch.generation_token_budget or sch.token_budget
+    first, second = split_gpus(name, gpus)
+    if name.startswith("dedicated"):
+        plans = [ReplicaPlan("embedding", "embedding-only",
+                             config(emb_model, None, sch.token_budget, None), emb_model, None)
+                 for _ in range(first)]
+        return plans + [ReplicaPlan("generation", "generation",
+                                    config(base, None, gen_budget, None), base, None)
+                        for _ in range(second)]
+    plans = [ReplicaPlan("prefill", "prefill-only", config(base, lora, sch.token_budget, None),
+                         base, lora) for _ in range(first)]
+    return plans + [ReplicaPlan("decode", "decode-only", config(base, None, gen_budget, None),
+                                base, None) for _ in range(second)]
+
+
+def engine_plan(scenario: Scenario, configuration: str, num_blocks: int | None = None,
+                max_model_len: int | None = None) -> tuple[str, SchedulerConfig]:
+    """The policy and ``SchedulerConfig`` one real engine runs for a unified configuration;
+    the engine's own KV capacity (``num_blocks``) and model length replace the memory model's."""
+    if not is_unified(configuration):
+        raise ValueError(f"configuration {configuration!r} needs several devices; one engine runs "
+                         f"{', '.join(UNIFIED)} or unified:<policy>")
+    plan = plan_configuration(scenario, configuration)[0]
+    cfg = plan.config
+    if num_blocks is not None:
+        cfg = replace(cfg, num_blocks=num_blocks)
+    if max_model_len is not None:
+        cfg = replace(cfg, max_model_len=max_model_len)
+    return plan.policy, cfg

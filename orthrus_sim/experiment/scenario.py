@@ -1,0 +1,442 @@
+"""Scenario files: YAML validated with pydantic; an error names the field path and the problem.
+
+A scenario describes one experiment: hardware, model, scheduler knobs, the workload's load model
+(``workload``) and the configurations to compare. Paths inside it (calibration, trace, empirical
+length files) are relative to the scenario file's folder; a calibration may also be the name of a
+shipped one (``a100-40gb``).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from orthrus_sim.engine.registry import resolve_policy
+from orthrus_sim.experiment.distributions import LengthDist, Uniform, fixed
+from orthrus_sim.experiment.trace import load_trace
+from orthrus_sim.files import read_structured, resolve_path
+
+
+def shipped_calibrations() -> dict[str, Path]:
+    """Calibrations that ship with the project, by name (file stem)."""
+    from orthrus_sim import data_dir
+
+    return {p.stem: p for p in sorted(data_dir("calibration").glob("*.json"))}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class EmbeddingSection(Strict):
+    lora_rank: int | None = Field(default=16, ge=1, description="null: no adapter")
+    lora_targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                               "down_proj"]
+    pooling: Literal["mean", "weighted-mean", "cls", "last"] = "mean"
+    bidirectional: bool = Field(default=False, description="a bidirectional embedder cannot be chunked")
+    model: str | None = Field(default=None, description="dedicated embedding model (default: the base)")
+
+
+class ClusterSection(Strict):
+    gpus: int = Field(default=1, ge=1)
+    router: Literal["round-robin", "least-work"] = "round-robin"
+    memory_utilization: float = Field(default=0.9, gt=0, le=1)
+
+
+class SchedulerSection(Strict):
+    policy: str | None = Field(default=None, description="policy for the 'orthrus' configuration")
+    token_budget: int = Field(default=4096, ge=1)
+    chunk_size: int | None = Field(default=512, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    num_blocks: int | None = Field(default=None, ge=1, description="default: from the memory model")
+    waiting_work: Literal["prompt", "prompt+output"] = "prompt"
+    kv_admission: Literal["optimistic", "reserve"] = Field(
+        default="optimistic", description="optimistic: a generation takes blocks for its prompt and "
+        "grows (preempting when the cache is full), as vLLM does; reserve: it is admitted only when "
+        "the expected final length of every running generation fits")
+    generation_token_budget: int | None = Field(default=None, ge=1,
+                                                description="budget of dedicated generation replicas")
+
+    @model_validator(mode="after")
+    def _chunk_fits(self):
+        if self.chunk_size is not None and self.chunk_size > self.token_budget:
+            raise ValueError(f"chunk_size ({self.chunk_size}) is larger than token_budget "
+                             f"({self.token_budget})")
+        return self
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_imports(cls, v):
+        if v is not None:
+            resolve_policy(v)
+        return v
+
+
+PROCESSES = ("closed-loop", "poisson", "gamma", "burst")
+
+
+class Arrival(Strict):
+    """The default load: one pool whose clients (or arrivals) draw their kind from the mix, or,
+    with ``pools: per-kind``, closed-loop clients split between the kinds by the generation
+    share (``round(clients x share)`` generation clients), each keeping its kind."""
+
+    process: Literal["closed-loop", "poisson", "gamma", "burst"] = "closed-loop"
+    pools: Literal["mixed", "per-kind"] = "mixed"
+    clients: int = Field(default=64, ge=1, description="closed-loop clients")
+    think_time_s: float = Field(default=0.0, ge=0)
+    ramp_s: float = Field(default=0.0, ge=0, description="closed loop: clients start spread "
+                                                         "evenly over this many seconds")
+    rate: float | None = Field(default=None, gt=0, description="open-loop arrivals per second")
+    cv: float = Field(default=1.0, gt=0, description="gamma: coefficient of variation")
+
+    @model_validator(mode="after")
+    def _rate(self):
+        if self.process in ("poisson", "gamma") and self.rate is None:
+            raise ValueError(f"process {self.process!r} needs 'rate' (arrivals per second)")
+        if self.pools == "per-kind" and self.process != "closed-loop":
+            raise ValueError("pools 'per-kind' splits closed-loop clients; an open-loop mix "
+                             "already is two independent arrival streams")
+        return self
+
+
+class Pool(Strict):
+    """One source of load with its own arrival process.
+
+    ``kind``: ``embedding`` or ``generation`` (every request of that kind), ``mixed`` (each
+    request draws its kind from ``generation_share``, the workload's by default), ``workflow``
+    (Iter-RetGen workflows, from the ``iter_retgen`` section). ``closed-loop``: ``clients``
+    clients, each sending its next request ``think_time_s`` (exponential mean) after the last
+    ended, started evenly over ``ramp_s``; ``poisson``/``gamma``: ``rate`` arrivals per second
+    (gamma with coefficient of variation ``cv``); ``burst``: ``count`` arrivals at the start.
+    """
+
+    kind: Literal["embedding", "generation", "mixed", "workflow"] = "mixed"
+    process: Literal["closed-loop", "poisson", "gamma", "burst"] = "closed-loop"
+    clients: int = Field(default=64, ge=1)
+    think_time_s: float = Field(default=0.0, ge=0)
+    ramp_s: float = Field(default=0.0, ge=0)
+    rate: float | None = Field(default=None, gt=0)
+    cv: float = Field(default=1.0, gt=0)
+    count: int | None = Field(default=None, ge=1, description="burst: arrivals at the start")
+    generation_share: float | None = Field(default=None, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.process in ("poisson", "gamma") and self.rate is None:
+            raise ValueError(f"process {self.process!r} needs 'rate' (arrivals per second)")
+        if self.process == "burst" and self.count is None:
+            raise ValueError("process 'burst' needs 'count' (arrivals at the start)")
+        if self.generation_share is not None and self.kind != "mixed":
+            raise ValueError(f"generation_share applies to kind 'mixed' only, not {self.kind!r}")
+        return self
+
+
+class BurstGroup(Strict):
+    kind: Literal["embedding", "generation"]
+    count: int = Field(ge=1)
+
+
+class Phase(Strict):
+    """A stretch of the workload with its own mix: it lasts ``duration_s`` or ``requests``
+    units of work (requests, or workflows), whichever the phase gives. A timed phase may bring
+    its own ``pools``, which run during that phase only."""
+
+    duration_s: float | None = Field(default=None, gt=0)
+    requests: int | None = Field(default=None, ge=1)
+    generation_share: float | None = Field(default=None, ge=0, le=1)
+    pools: list[Pool] = []
+
+    @model_validator(mode="after")
+    def _one_length(self):
+        if (self.duration_s is None) == (self.requests is None):
+            raise ValueError("give exactly one of duration_s or requests")
+        if self.pools and self.requests is not None:
+            raise ValueError("pools: only a phase with duration_s can bring its own pools")
+        if self.generation_share is None and not self.pools:
+            raise ValueError("give generation_share, or pools for this phase")
+        return self
+
+
+class IterRetGen(Strict):
+    iterations: int = Field(default=2, ge=1)
+    docs_per_query: LengthDist = Field(
+        default_factory=lambda: Uniform(dist="uniform", low=1, high=10))
+    doc_tokens: LengthDist = Field(default_factory=lambda: fixed(100))
+    question_tokens: LengthDist = Field(default_factory=lambda: fixed(32))
+    output_tokens: LengthDist = Field(default_factory=lambda: fixed(256))
+    retrieval_latency_s: float = Field(default=0.0, ge=0)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    corpus_size: int = Field(default=256, ge=1, description="documents in the retrieval corpus")
+    retrieval: Literal["seeded", "vector"] = Field(
+        default="seeded", description="seeded: documents drawn from the workflow's seed (the same "
+        "in simulated and live runs); vector: a live run searches the corpus with the returned "
+        "embedding (the simulator, which has no vectors, draws them as 'seeded' does)")
+
+
+class Workload(Strict):
+    kind: Literal["synthetic", "iter-retgen", "trace"] = "synthetic"
+    arrival: Arrival | None = Field(default=None, description="the default pool (default: 64 "
+                                    "closed-loop clients); null when pools or a trace give the load")
+    generation_share: float = Field(default=0.5, ge=0, le=1)
+    pools: list[Pool] = Field(default=[], description="sources of load; default: one pool from "
+                                                      "'arrival' (and 'burst')")
+    embedding_input: LengthDist = Field(default_factory=lambda: fixed(128))
+    generation_prompt: LengthDist = Field(default_factory=lambda: fixed(128))
+    generation_output: LengthDist = Field(default_factory=lambda: fixed(512))
+    burst: list[BurstGroup] = []
+    phases: list[Phase] = []
+    iter_retgen: IterRetGen = Field(default_factory=IterRetGen)
+    trace: str | None = None
+
+    @field_validator("trace")
+    @classmethod
+    def _trace_path(cls, v, info: ValidationInfo):
+        if v is None:
+            return v
+        path = resolve_path(v, info)
+        load_trace(path)  # every row is checked now: an error names the file and the row
+        return str(path)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        a = self.arrival
+        if self.kind == "trace" and not self.trace:
+            raise ValueError("kind 'trace' needs 'trace: path/to/file.jsonl|csv'")
+        if self.pools and (a is not None or self.burst):
+            raise ValueError("give either pools, or arrival (and burst): pools replace them")
+        if self.kind == "trace" and (self.pools or a is not None):
+            raise ValueError("a trace replays its own arrivals: drop pools and arrival")
+        if a is not None and a.process == "burst" and self.kind == "synthetic" and not self.burst:
+            raise ValueError("arrival.process 'burst' needs a 'burst' list of {kind, count}")
+        if a is not None and a.pools == "per-kind" and self.phases \
+                and self.phases[0].requests is not None:
+            raise ValueError("arrival.pools 'per-kind' splits the clients once, by generation_share; "
+                             "phases by request count change the mix of a mixed pool (use pools: mixed)")
+        if self.kind != "iter-retgen":
+            for pool in self.pools + [p for ph in self.phases for p in ph.pools]:
+                if pool.kind == "workflow":
+                    raise ValueError("pools: kind 'workflow' needs workload.kind 'iter-retgen'")
+        by_time = [p.duration_s is not None for p in self.phases]
+        if any(by_time) and not all(by_time):
+            raise ValueError("phases: give every phase a duration_s, or every phase a requests count")
+        return self
+
+    def default_pools(self) -> list[Pool]:
+        """The pools the workload runs when none are listed: one pool from ``arrival`` (a
+        workflow pool for Iter-RetGen), or one burst pool per ``burst`` group."""
+        if self.pools:
+            return list(self.pools)
+        if self.arrival is None and any(p.pools for p in self.phases):
+            return []  # the phases bring all the load
+        a = self.arrival or Arrival()
+        kind = "workflow" if self.kind == "iter-retgen" else "mixed"
+        if a.process == "burst" and kind == "mixed":
+            return [Pool(kind=g.kind, process="burst", count=g.count) for g in self.burst]
+        if a.pools == "per-kind" and kind == "mixed":
+            n_gen = round(a.clients * self.generation_share)
+            return [Pool(kind=k, clients=n, think_time_s=a.think_time_s, ramp_s=a.ramp_s)
+                    for k, n in (("embedding", a.clients - n_gen), ("generation", n_gen)) if n]
+        return [Pool(kind=kind, process=a.process, clients=a.clients, think_time_s=a.think_time_s,
+                     ramp_s=a.ramp_s, rate=a.rate, cv=a.cv,
+                     count=a.clients if a.process == "burst" else None)]
+
+
+CONFIG_RE = re.compile(
+    r"^(orthrus|unified-hetero|unified-homo|dedicated-(\d+):(\d+)|disagg-pd-(\d+):(\d+)|unified:.+)$"
+)
+
+
+class Scenario(Strict):
+    name: str
+    seed: int = 0
+    duration_s: float | None = Field(default=None, gt=0)
+    num_requests: int | None = Field(default=None, ge=1)
+    warmup_s: float = Field(default=0.0, ge=0, description="the measurement window starts here: "
+                                                           "requests arriving earlier are not counted")
+    hardware: str = "a100-40gb"
+    model: str = "mistral-7b-v0.1"
+    embedding: EmbeddingSection = Field(default_factory=EmbeddingSection)
+    calibration: str | None = None
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    workload: Workload = Field(default_factory=Workload)
+    configurations: list[str] = ["orthrus"]
+    max_sim_time_s: float = Field(default=36_000.0, gt=0)
+    timeline_interval_s: float = Field(default=1.0, gt=0)
+
+    @field_validator("configurations")
+    @classmethod
+    def _configs(cls, v):
+        if not v:
+            raise ValueError("list at least one configuration")
+        for name in v:
+            if name in ("dedicated", "disagg-pd"):
+                raise ValueError(
+                    f"configuration {name!r}: name the split it compares, e.g. "
+                    f"{name}-1:3 or {name}-2:2 (GPUs for embeddings:generation, or prefill:decode)")
+            if not CONFIG_RE.match(name):
+                raise ValueError(
+                    f"unknown configuration {name!r}; use dedicated-N:M, disagg-pd-P:D, "
+                    "unified-homo, unified-hetero, orthrus, or unified:<policy name or module:Class>"
+                )
+            if name.startswith("unified:"):
+                resolve_policy(name.split(":", 1)[1])
+        return v
+
+    @field_validator("calibration")
+    @classmethod
+    def _calibration(cls, v, info: ValidationInfo):
+        if v is None:
+            return v
+        path = resolve_path(v, info, must_exist=False)
+        if path.exists():
+            return str(path)
+        shipped = shipped_calibrations()
+        if v in shipped:
+            return str(shipped[v])
+        raise ValueError(f"calibration: no file {path} and no shipped calibration named {v!r} "
+                         f"(shipped: {', '.join(shipped) or 'none'})")
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        from orthrus_sim.costmodel import get_hardware, get_model
+
+        get_hardware(self.hardware)
+        get_model(self.model)
+        if self.embedding.model:
+            get_model(self.embedding.model)
+        w = self.workload
+        if w.phases and w.phases[0].duration_s is not None and self.duration_s is None:
+            self.duration_s = sum(p.duration_s for p in w.phases)
+        counted = bool(w.phases) and w.phases[0].requests is not None
+        bursts_only = all(p.process == "burst" for p in w.default_pools())
+        open_ended = w.kind != "trace" and not bursts_only and not counted
+        if open_ended and self.duration_s is None and self.num_requests is None:
+            raise ValueError("give duration_s or num_requests: the workload never ends by itself")
+        if self.duration_s is not None and self.warmup_s >= self.duration_s:
+            raise ValueError(f"warmup_s ({self.warmup_s}) must be shorter than duration_s "
+                             f"({self.duration_s}): the measurement window would be empty")
+        if self.embedding.bidirectional and self.scheduler.chunk_size is not None:
+            raise ValueError("embedding.bidirectional: a bidirectional embedder cannot be chunked "
+                             "exactly; set scheduler.chunk_size: null (atomic embeddings)")
+        return self
+
+
+def split_gpus(name: str, gpus: int) -> tuple[int, int] | None:
+    """GPUs of the two pools of a split configuration (embedding:generation for dedicated,
+    prefill:decode for disagg-pd); None for unified ones."""
+    m = CONFIG_RE.match(name)
+    if name.startswith("dedicated"):
+        a, b = int(m.group(2)), int(m.group(3))
+    elif name.startswith("disagg-pd"):
+        a, b = int(m.group(4)), int(m.group(5))
+    else:
+        return None
+    if a + b != gpus:
+        raise ValueError(f"configuration {name!r} uses {a + b} GPUs but cluster.gpus is {gpus}")
+    if name.startswith("disagg-pd") and (a < 1 or b < 1):
+        raise ValueError(f"configuration {name!r} needs at least one prefill and one decode GPU")
+    return a, b
+
+
+def _format(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid scenario"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc or '(top level)'}: {msg}")
+    return "\n".join(lines)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``section.key=value`` overrides on a copy; the value is parsed as YAML (lists, null)."""
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected section.key=value")
+        path, _, value = item.partition("=")
+        keys = path.strip().split(".")
+        node = raw
+        for k in keys[:-1]:
+            if node.get(k) is None:
+                node[k] = {}  # a section left out, or null (a default)
+            if not isinstance(node[k], dict):
+                raise ValueError(f"--set {item!r}: {k!r} is not a section")
+            node = node[k]
+        try:
+            node[keys[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--set {item!r}: the value is not valid YAML ({exc})") from None
+    return raw
+
+
+def parse_scenario(raw: Any, source: str = "scenario", overrides: list[str] | None = None,
+                   base_dir: str | Path | None = None, check_fit: bool = True) -> Scenario:
+    """Validate a scenario mapping; relative paths in it resolve from ``base_dir`` (the
+    scenario file's folder; default: the current directory). ``check_fit``: every configuration
+    must fit ``cluster.gpus`` (a sweep checks each point instead, skipping what does not fit)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: a scenario must be a YAML mapping")
+    raw = apply_overrides(raw, overrides or [])
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    try:
+        scenario = Scenario.model_validate(raw, context={"base_dir": base})
+    except ValidationError as exc:
+        raise ValueError(_format(exc, source)) from None
+    if check_fit:
+        for name in scenario.configurations:
+            try:
+                split_gpus(name, scenario.cluster.gpus)
+            except ValueError as exc:
+                raise ValueError(f"{source}: invalid scenario\n  configurations: {exc}") from None
+    return scenario
+
+
+def scenario_path(name_or_path: str | Path) -> Path:
+    """A scenario file by path, or a shipped scenario by name (``quickstart``)."""
+    from orthrus_sim import data_dir
+
+    path = Path(name_or_path)
+    if path.is_dir():
+        raise ValueError(f"scenario {path} is a directory; give a scenario file "
+                         f"(for example {path / 'quickstart.yaml'})")
+    if path.exists():
+        return path
+    shipped = data_dir("scenarios") / f"{name_or_path}.yaml"
+    if path.suffix == "" and shipped.exists():
+        return shipped
+    names = sorted(p.stem for p in data_dir("scenarios").glob("*.yaml"))
+    raise ValueError(f"scenario file {path} does not exist (shipped scenarios: {', '.join(names)})")
+
+
+def read_scenario(name_or_path: str | Path) -> dict:
+    """The raw mapping of a scenario file (validated later, after any overrides)."""
+    path = scenario_path(name_or_path)
+    raw = read_structured(path, "scenario file", yaml_format=True)
+    if not isinstance(raw, dict):
+        raise ValueError(f"scenario file {path}: a scenario must be a YAML mapping")
+    return raw
+
+
+def load_scenario(name_or_path: str | Path, overrides: list[str] | None = None) -> Scenario:
+    path = scenario_path(name_or_path)
+    return parse_scenario(read_scenario(path), str(path), overrides, base_dir=path.parent)
+
+
+def scenario_dump(scenario: Scenario) -> dict:
+    """The scenario as plain data (after defaults, overrides and path resolution)."""
+    return scenario.model_dump(mode="json", by_alias=True)

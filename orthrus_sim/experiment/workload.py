@@ -1,0 +1,410 @@
+"""The workload generator: given a scenario and its seed, the exact requests and when to send them.
+
+Every source of load (a closed-loop client, an open-loop or burst source, a trace, an Iter-RetGen
+workflow) is a plain Python generator that yields *actions*; a driver carries them out and sends
+the result back. The simulator's driver (``orthrus_sim.sim.driver``) runs them as SimPy
+processes, ``orthrus-real bench`` as asyncio tasks, so a scenario is the same experiment
+simulated and measured::
+
+    Wait(seconds)        sleep (think time)          -> None
+    WaitUntil(t)         sleep until time t (s)      -> None
+    Send(spec, wait)     send one request            -> its Outcome (wait=True), else None
+    Spawn(name, client)  start another source        -> None
+    Retrieve(query, k, fallback)  vector search (live) -> document indices
+
+What a request holds is a function of the seed and of its place in its client's stream only
+(never of timing): a client draws kinds and lengths from its own stream, and token ids are
+seeded segments (``Tokens``) materialised on demand, so the simulator never builds them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from orthrus_sim.engine.request import RequestKind
+from orthrus_sim.experiment.scenario import Pool, Scenario
+from orthrus_sim.experiment.trace import load_trace
+
+EMB, GEN = RequestKind.EMBEDDING, RequestKind.GENERATION
+FIRST_TOKEN_ID = 4  # ids below are left to special tokens
+MAX_ZERO_TIME_REJECTIONS = 64
+
+_MASK = (1 << 64) - 1
+
+
+def mix(*values: int) -> int:
+    """A 64-bit seed from integers (splitmix64 over them): cheap, stable across processes."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & _MASK
+        h ^= h >> 29
+    return h
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Token ids as seeded segments ``(seed, skip, length)``: segment ids are the draws
+    ``skip .. skip+length`` of ``default_rng(seed)`` in ``[FIRST_TOKEN_ID, vocab)``."""
+
+    segments: tuple[tuple[int, int, int], ...] = ()
+
+    @classmethod
+    def seeded(cls, seed: int, length: int) -> Tokens:
+        return cls(((seed, 0, length),)) if length > 0 else cls()
+
+    @property
+    def length(self) -> int:
+        return sum(n for _, _, n in self.segments)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __add__(self, other: Tokens) -> Tokens:
+        return Tokens(self.segments + other.segments)
+
+    def tail(self, n: int) -> Tokens:
+        """The last ``n`` tokens."""
+        out: list[tuple[int, int, int]] = []
+        need = n
+        for seed, skip, length in reversed(self.segments):
+            if need <= 0:
+                break
+            take = min(length, need)
+            out.append((seed, skip + length - take, take))
+            need -= take
+        return Tokens(tuple(reversed(out)))
+
+    def ids(self, vocab: int = 500) -> list[int]:
+        if vocab <= FIRST_TOKEN_ID:
+            raise ValueError(f"vocab must be larger than {FIRST_TOKEN_ID}, got {vocab}")
+        ids: list[int] = []
+        for seed, skip, length in self.segments:
+            draws = np.random.default_rng(seed).integers(FIRST_TOKEN_ID, vocab, size=skip + length)
+            ids.extend(int(t) for t in draws[skip:])
+        return ids
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request as the workload defines it."""
+
+    request_id: str
+    kind: RequestKind
+    tokens: Tokens
+    max_output_tokens: int  # 0 for embeddings
+    client: str
+    intended_at: float | None = None  # its scheduled send time (open loop, burst, trace)
+    phase: int | None = None
+    workflow: int | None = None
+
+    @property
+    def input_len(self) -> int:
+        return self.tokens.length
+
+
+@dataclass
+class Outcome:
+    """How a sent request ended, as the driver reports it back to its client."""
+
+    state: str  # finished | rejected | unfinished
+    num_generated: int = 0
+    embedding: list[float] | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Wait:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WaitUntil:
+    time: float
+
+
+@dataclass(frozen=True)
+class Send:
+    spec: RequestSpec
+    wait: bool = True
+
+
+@dataclass(frozen=True)
+class Spawn:
+    name: str
+    client: Generator
+
+
+@dataclass(frozen=True)
+class Retrieve:
+    query: list[float] | None
+    k: int
+    fallback: tuple[int, ...]  # the seeded choice, for a driver without vector search
+
+
+Client = Generator[Any, Any, Any]
+
+
+@dataclass
+class WorkflowRecord:
+    workflow_id: int
+    start: float
+    end: float | None = None
+    iterations_done: int = 0
+    request_ids: list[str] = field(default_factory=list)
+    failed: str | None = None  # why it stopped early (a step was rejected)
+
+
+def interarrival(pool: Pool, rng: np.random.Generator) -> float:
+    """Seconds to the next open-loop arrival: exponential (Poisson) or gamma with the pool's CV."""
+    if pool.process == "poisson":
+        return float(rng.exponential(1.0 / pool.rate))
+    shape = 1.0 / pool.cv**2
+    return float(rng.gamma(shape, 1.0 / (pool.rate * shape)))
+
+
+class Workload:
+    """The scenario's sources of load, sharing one clock and the units-of-work count.
+
+    ``clock()`` is the driver's time in seconds (simulated, or since the run started).
+    """
+
+    def __init__(self, scenario: Scenario, clock: Callable[[], float], keep_specs: bool = False) -> None:
+        self.scenario = scenario
+        self.workload = scenario.workload
+        self.clock = clock
+        self.seed = scenario.seed
+        self.units = 0  # requests or workflows started (num_requests and count phases)
+        self.workflows: list[WorkflowRecord] = []
+        self.warnings: list[str] = []
+        self.specs: list[RequestSpec] | None = [] if keep_specs else None
+        self._workflow_ids = itertools.count()
+        w = self.workload
+        self._by_count = bool(w.phases) and w.phases[0].requests is not None
+        self._phase_ends = list(itertools.accumulate(
+            (p.requests if self._by_count else p.duration_s) for p in w.phases))
+        self._corpus: list[Tokens] | None = None
+
+    # ----- when the workload stops --------------------------------------------------------
+    @property
+    def end_time(self) -> float | None:
+        return self.scenario.duration_s
+
+    def phase(self) -> int | None:
+        if not self._phase_ends:
+            return None
+        position = self.units if self._by_count else self.clock()
+        for i, end in enumerate(self._phase_ends):
+            if position < end or (self._by_count and position == end):
+                return i
+        return len(self._phase_ends) - 1
+
+    def _start_unit(self, until: float | None = None) -> int | None | bool:
+        """Count one more unit of work if the workload (and the source's own window) allows
+        it; returns its phase (None without phases), or False when no unit may start."""
+        s, now = self.scenario, self.clock()
+        if s.duration_s is not None and now >= s.duration_s:
+            return False
+        if until is not None and now >= until:
+            return False
+        if s.num_requests is not None and self.units >= s.num_requests:
+            return False
+        if self._by_count and self.units >= self._phase_ends[-1]:
+            return False
+        self.units += 1
+        return self.phase()
+
+    def _share(self, pool: Pool, phase: int | None) -> float:
+        if pool.generation_share is not None:
+            return pool.generation_share
+        if phase is not None and self.workload.phases[phase].generation_share is not None:
+            return self.workload.phases[phase].generation_share
+        return self.workload.generation_share
+
+    # ----- what to send ---------------------------------------------------------------------
+    def _spec(self, kind: RequestKind, tokens: Tokens, n_out: int, rid: str, client: str,
+              phase: int | None, intended: float | None = None,
+              workflow: int | None = None) -> RequestSpec:
+        spec = RequestSpec(rid, kind, tokens, n_out if kind is GEN else 0, client, intended, phase,
+                           workflow)
+        if self.specs is not None:
+            self.specs.append(spec)
+        return spec
+
+    def _draw(self, pool: Pool, rng: np.random.Generator, phase: int | None,
+              token_seed: int) -> tuple[RequestKind, Tokens, int]:
+        """Kind, input tokens and output length of one synthetic request."""
+        w = self.workload
+        if pool.kind == "mixed":
+            kind = GEN if rng.random() < self._share(pool, phase) else EMB
+        else:
+            kind = GEN if pool.kind == "generation" else EMB
+        if kind is GEN:
+            n_in, n_out = w.generation_prompt.sample(rng), w.generation_output.sample(rng)
+        else:
+            n_in, n_out = w.embedding_input.sample(rng), 0
+        return kind, Tokens.seeded(token_seed, n_in), n_out
+
+    def corpus(self) -> list[Tokens]:
+        """The Iter-RetGen retrieval corpus: seeded documents (the same in every run)."""
+        if self._corpus is None:
+            cfg = self.workload.iter_retgen
+            rng = np.random.default_rng([self.seed, 9])
+            self._corpus = [Tokens.seeded(mix(self.seed, 9, i), cfg.doc_tokens.sample(rng))
+                            for i in range(cfg.corpus_size)]
+        return self._corpus
+
+    # ----- sources --------------------------------------------------------------------------
+    def clients(self) -> list[tuple[str, Client]]:
+        """The sources to start at time 0."""
+        w = self.workload
+        if w.kind == "trace":
+            return [("trace", self._trace())]
+        out = [(name, gen) for i, pool in enumerate(w.default_pools())
+               for name, gen in self._pool_sources(pool, str(i), 0.0, None)]
+        start = 0.0
+        for p, phase in enumerate(w.phases):
+            end = start + (phase.duration_s or 0.0)
+            for j, pool in enumerate(phase.pools):
+                out += self._pool_sources(pool, f"{p}.{j}", start, end)
+            start = end
+        return out
+
+    def _pool_sources(self, pool: Pool, tag: str, start: float,
+                      until: float | None) -> list[tuple[str, Client]]:
+        if pool.process == "closed-loop":
+            return [(f"p{tag}c{c}", self._closed_loop(pool, tag, c, start + pool.ramp_s * c / pool.clients,
+                                                      until))
+                    for c in range(pool.clients)]
+        if pool.process == "burst":
+            return [(f"p{tag}b", self._burst(pool, tag, start, until))]
+        return [(f"p{tag}o", self._open_loop(pool, tag, start, until))]
+
+    def _closed_loop(self, pool: Pool, tag: str, client: int, start: float,
+                     until: float | None) -> Client:
+        name = f"p{tag}c{client}"
+        rng = np.random.default_rng([self.seed, 1, mix(*map(ord, tag)), client])
+        if start > 0:
+            yield WaitUntil(start)
+        rejected, last_rejection = 0, None
+        for n in itertools.count():
+            phase = self._start_unit(until)
+            if phase is False:
+                return
+            outcome = yield from self._unit(pool, rng, name, n, phase)
+            if outcome is not None and outcome.state == "rejected":
+                now = self.clock()
+                rejected = rejected + 1 if now == last_rejection or rejected == 0 else 1
+                last_rejection = now
+                if rejected >= MAX_ZERO_TIME_REJECTIONS and not pool.think_time_s:
+                    self.warnings.append(
+                        f"client {name} stopped at t={now:.3f} s: {rejected} requests in a row "
+                        f"were rejected at that instant (last reason: {outcome.reason})")
+                    return
+            else:
+                rejected = 0
+            if pool.think_time_s:
+                yield Wait(float(rng.exponential(pool.think_time_s)))
+
+    def _unit(self, pool: Pool, rng: np.random.Generator, client: str, n: int,
+              phase: int | None, intended: float | None = None) -> Client:
+        """One unit of work of ``client``: a request, or a whole workflow."""
+        if pool.kind == "workflow":
+            return (yield from self._workflow(rng, client, n, phase))
+        kind, tokens, n_out = self._draw(pool, rng, phase, mix(self.seed, *map(ord, client), n))
+        rid = f"{'e' if kind is EMB else 'g'}-{client}-{n}"
+        spec = self._spec(kind, tokens, n_out, rid, client, phase, intended)
+        return (yield Send(spec, wait=intended is None))
+
+    def _open_loop(self, pool: Pool, tag: str, start: float, until: float | None) -> Client:
+        name = f"p{tag}o"
+        rng = np.random.default_rng([self.seed, 3, mix(*map(ord, tag))])
+        t = start
+        for n in itertools.count():
+            t += interarrival(pool, rng)
+            yield WaitUntil(t)
+            phase = self._start_unit(until)
+            if phase is False:
+                return
+            if pool.kind == "workflow":
+                wf_rng = np.random.default_rng([self.seed, 4, mix(*map(ord, tag)), n])
+                yield Spawn(f"{name}w{n}", self._workflow(wf_rng, f"{name}w{n}", 0, phase))
+            else:
+                yield from self._unit(pool, rng, name, n, phase, intended=t)
+
+    def _burst(self, pool: Pool, tag: str, start: float, until: float | None) -> Client:
+        name = f"p{tag}b"
+        rng = np.random.default_rng([self.seed, 2, mix(*map(ord, tag))])
+        if start > 0:
+            yield WaitUntil(start)
+        for n in range(pool.count):
+            phase = self._start_unit(until)
+            if phase is False:
+                return
+            if pool.kind == "workflow":
+                wf_rng = np.random.default_rng([self.seed, 4, mix(*map(ord, tag)), n])
+                yield Spawn(f"{name}w{n}", self._workflow(wf_rng, f"{name}w{n}", 0, phase))
+            else:
+                yield from self._unit(pool, rng, name, n, phase, intended=start)
+
+    def _trace(self) -> Client:
+        for n, row in enumerate(load_trace(self.workload.trace)):
+            yield WaitUntil(row["arrival_time"])
+            phase = self._start_unit()
+            if phase is False:
+                return
+            kind = GEN if row["kind"] == "generation" else EMB
+            rid = f"{'e' if kind is EMB else 'g'}-trace-{n}"
+            tokens = Tokens.seeded(mix(self.seed, 5, n), row["input_tokens"])
+            spec = self._spec(kind, tokens, row["output_tokens"], rid, "trace", phase,
+                              row["arrival_time"])
+            yield Send(spec, wait=False)
+
+    def _workflow(self, rng: np.random.Generator, client: str, n: int, phase: int | None) -> Client:
+        """Iter-RetGen: embed(question + last answer), retrieve, generate(docs + question)."""
+        cfg = self.workload.iter_retgen
+        wf = next(self._workflow_ids)
+        record = WorkflowRecord(wf, self.clock())
+        self.workflows.append(record)
+        base = mix(self.seed, *map(ord, client), n)
+        question = Tokens.seeded(mix(base, 0), cfg.question_tokens.sample(rng))
+        answer = Tokens()
+        corpus = self.corpus()
+        outcome = None
+        for step in range(cfg.iterations):
+            emb = self._spec(EMB, question + answer, 0, f"e-{client}-{n}.{step}", client, phase,
+                             workflow=wf)
+            record.request_ids.append(emb.request_id)
+            outcome = yield Send(emb)
+            if outcome.state != "finished":
+                record.failed = outcome.reason or outcome.state
+                return outcome
+            if cfg.retrieval_latency_s:
+                yield Wait(cfg.retrieval_latency_s)
+            k = min(cfg.docs_per_query.sample(rng), len(corpus))
+            docs = tuple(int(d) for d in rng.choice(len(corpus), size=k, replace=False))
+            if cfg.retrieval == "vector":
+                docs = tuple((yield Retrieve(outcome.embedding, k, docs)))
+            prompt = Tokens()
+            for d in docs:
+                prompt = prompt + corpus[d]
+            prompt = prompt + question
+            if cfg.max_prompt_tokens:
+                prompt = prompt.tail(cfg.max_prompt_tokens)
+            gen = self._spec(GEN, prompt, cfg.output_tokens.sample(rng), f"g-{client}-{n}.{step}",
+                             client, phase, workflow=wf)
+            record.request_ids.append(gen.request_id)
+            outcome = yield Send(gen)
+            if outcome.state != "finished":
+                record.failed = outcome.reason or outcome.state
+                return outcome
+            answer = Tokens.seeded(mix(base, step + 1), outcome.num_generated)
+            record.iterations_done += 1
+        record.end = self.clock()
+        return outcome
