@@ -226,3 +226,21 @@ def test_cli_run_validate_and_errors(tmp_path):
     assert res.exit_code == 0, res.output
     sweep = json.loads((tmp_path / "sw" / "sweep.json").read_text())
     assert len(sweep["points"]) == 2
+
+
+def test_long_decode_runs_priced_in_segments_equal_stepping():
+    """Runs longer than one pricing segment (600-token outputs, nothing arriving) give the
+    very results of stepping one iteration at a time."""
+    from orthrus_sim.sim.replica import RUN_SEGMENT
+
+    raw = burst_scenario("orthrus", 1)
+    raw["workload"]["burst"] = [{"kind": "generation", "count": 6}]
+    raw["workload"]["generation_output"] = {"dist": "uniform", "low": 300, "high": 600}
+    raw["calibration"] = "a100-40gb"
+    scenario = parse_scenario(raw)
+    fast = simulate(scenario, "orthrus")
+    slow = simulate(scenario, "orthrus", fast_forward=False)
+    assert max(r["output_tokens"] for r in fast.requests) > 2 * RUN_SEGMENT
+    assert fast.metrics["iterations"] == slow.metrics["iterations"]
+    assert [r["finished_s"] for r in fast.requests] == [r["finished_s"] for r in slow.requests]
+    assert fast.metrics["utilization"]["per_gpu"][0]["decode_runs"] > 0
