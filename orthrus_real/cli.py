@@ -112,22 +112,37 @@ def serve(
     dtype: str = typer.Option(None, help="float32 or bfloat16 (default: by device)"),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
     backend: str = typer.Option("torch", help=BACKEND_HELP),
+    max_model_len: int = typer.Option(None, help="longest prompt + output accepted (default: the "
+                                                 "model's)"),
+    api_key: str = typer.Option(None, "--api-key", envvar="ORTHRUS_API_KEY",
+                                help="require 'Authorization: Bearer KEY' (401 without it)"),
+    log_level: str = typer.Option("info", help="critical | error | warning | info | debug"),
 ) -> None:
-    """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine."""
-    from orthrus_real.serving import build
+    """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine.
+
+    Logs what it loaded, then 'orthrus ready: http://HOST:PORT' once it accepts requests.
+    """
+    from dataclasses import replace
+
+    from orthrus_real.serving import build, setup_logging
     from orthrus_real.serving import serve as run_server
 
     if not 1 <= port <= 65535:
         fail(f"--port must be between 1 and 65535, got {port}")
     try:
+        setup_logging(log_level)
         policy, sched = scheduler_settings(scenario, configuration, set_, policy, token_budget,
                                            chunk_size, max_num_seqs)
+        if max_model_len is not None:
+            sched = replace(sched, max_model_len=max_model_len)
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
-                             served_model_name, device, dtype, pooling, threads, backend)
+                             served_model_name, device, dtype, pooling, threads, backend, api_key)
     except (ValueError, RuntimeError) as exc:
         fail(exc)
-    run_server(app_, runner, host, port)
+    except KeyboardInterrupt:
+        interrupted()
+    run_server(app_, runner, host, port, log_level=log_level)
 
 
 @app.command()

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orthrus_real.engine import Engine, RequestOutput
+from orthrus_real.engine_base import EngineBase, RequestOutput
 
 Sink = Callable[[Any], None]  # receives RequestOutput objects, or an Exception
 
@@ -43,10 +43,10 @@ class EngineThread:
     spinning against each other and made decode steps ~35 % slower.
     """
 
-    def __init__(self, factory: Callable[[], Engine], max_queued: int = 1024,
-                 on_step: Callable[[Engine], None] | None = None) -> None:
+    def __init__(self, factory: Callable[[], EngineBase], max_queued: int = 1024,
+                 on_step: Callable[[EngineBase], None] | None = None) -> None:
         self.factory = factory
-        self.engine: Engine | None = None
+        self.engine: EngineBase | None = None
         self.max_queued = max_queued
         self.on_step = on_step
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()

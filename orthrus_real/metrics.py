@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from orthrus_real.engine import Engine
+from orthrus_real.engine_base import EngineBase
 
 
 class EngineMetrics:
@@ -47,7 +47,7 @@ class EngineMetrics:
         runner.on_step = metrics.on_step
         return metrics
 
-    def _flops(self, engine: Engine, shape) -> float:
+    def _flops(self, engine: EngineBase, shape) -> float:
         from orthrus_sim.costmodel import LoRASpec, get_model, iteration_work
 
         if self._work is None:
@@ -55,7 +55,7 @@ class EngineMetrics:
             self._work = (get_model(str(engine.model_dir)), LoRASpec(rank) if rank else None)
         return iteration_work(self._work[0], shape, self._work[1])[0]
 
-    def on_step(self, engine: Engine) -> None:
+    def on_step(self, engine: EngineBase) -> None:
         s = engine.stats[-1]
         self.model_flops += self._flops(engine, s.shape)
         self.iteration_seconds.observe(s.seconds)

@@ -1,22 +1,42 @@
-"""Assemble engine, engine thread, metrics and HTTP app; run them under uvicorn."""
+"""Assemble engine, engine thread, metrics and HTTP app; run them under uvicorn.
+
+At start the server logs what it loaded (model, dtype and why, device, threads, KV capacity,
+policy, budget, chunk size, adapter), then ``orthrus ready: http://HOST:PORT`` once it accepts
+requests (wait for that line, or poll ``/health``). On SIGTERM/SIGINT it drains: new requests get
+503 (``/health`` too) while the listener stays open, requests in flight finish, then it exits; a
+second signal exits at once.
+"""
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 import time
 
 import uvicorn
 
 from orthrus_real import backends
+from orthrus_real.api import create_app
 from orthrus_real.engine_thread import EngineThread
 from orthrus_real.metrics import EngineMetrics
-from orthrus_real.server import create_app
+
+log = logging.getLogger("orthrus")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def setup_logging(level: str = "info") -> None:
+    if level not in LOG_LEVELS:
+        raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    logging.basicConfig(format="%(levelname)s: %(message)s", level=level.upper())
+    log.setLevel(level.upper())
 
 
 def build(model: str, adapter: str | None = None, policy: str = "ibs", scheduler=None,
           kv_cache_tokens: int = 32768, max_queued: int = 1024, max_body_bytes: int = 1 << 20,
           served_model_name: str | None = None, device: str | None = None, dtype: str | None = None,
-          pooling: str = "mean", threads: int = 0, backend: str = "torch"):
+          pooling: str = "mean", threads: int = 0, backend: str = "torch",
+          api_key: str | None = None):
     """Engine thread, metrics and app; the engine is ready when this returns."""
     def make_engine():
         return backends.make_engine(backend, model, adapter, policy, scheduler, kv_cache_tokens,
@@ -25,9 +45,11 @@ def build(model: str, adapter: str | None = None, policy: str = "ibs", scheduler
     runner = EngineThread(make_engine, max_queued=max_queued)
     metrics = EngineMetrics.attach(runner)
     runner.start()  # the engine is built (and steps) in its own thread
+    for key, value in runner.engine.describe().items():
+        log.info("%s: %s", key, value)
     name = served_model_name or runner.engine.model_dir.name
-    app = create_app(runner, name, metrics, max_body_bytes, default_pooling=pooling)
-    app.state.metrics = metrics
+    app = create_app(runner, name, metrics, max_body_bytes, default_pooling=pooling,
+                     api_key=api_key)
     return app, runner
 
 
@@ -49,14 +71,33 @@ def wait_healthy(url: str, timeout: float = 60.0, process=None) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT: refuse new requests (503), let in-flight ones finish, then exit."""
+    """On the first SIGTERM/SIGINT: answer 503 to new requests while the ones in flight finish
+    (at most ``drain_timeout`` seconds), then shut down; on a second signal, at once."""
 
-    def __init__(self, config: uvicorn.Config, runner: EngineThread) -> None:
+    def __init__(self, config: uvicorn.Config, runner: EngineThread, drain_timeout: float) -> None:
         super().__init__(config)
         self.runner = runner
+        self.drain_timeout = drain_timeout
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # listening: say so, for scripts that wait on this line
+            cfg = self.config
+            host, port = (cfg.host, cfg.port) if sockets is None else sockets[0].getsockname()[:2]
+            where = f"http://{host}:{port}"
+            log.info("orthrus ready: %s", where)
 
     def handle_exit(self, sig, frame) -> None:
+        if self.runner.draining:
+            return super().handle_exit(sig, frame)
         self.runner.draining = True
+        log.info("draining: %d request(s) in flight; new requests get 503", self.runner.outstanding)
+        threading.Thread(target=self._exit_when_drained, args=(sig, frame), daemon=True).start()
+
+    def _exit_when_drained(self, sig, frame) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while self.runner.outstanding > 0 and time.monotonic() < deadline and not self.runner.failed:
+            time.sleep(0.05)
         super().handle_exit(sig, frame)
 
 
@@ -65,5 +106,5 @@ def serve(app, runner: EngineThread, host: str = "127.0.0.1", port: int = 8000,
           graceful_timeout: float = 300.0) -> None:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=graceful_timeout)
-    server = DrainingServer(config, runner)
+    server = DrainingServer(config, runner, graceful_timeout)
     server.run(sockets=[sock] if sock is not None else None)

@@ -1,7 +1,9 @@
 """Measure simulator fidelity on this machine and write docs/fidelity.md.
 
 Steps (all real): create the `small` benchmark model with a rank-16 adapter (or use --model),
-calibrate it (`orthrus-real calibrate`, unless --calibration is given), then for the mixes
+calibrate it on this machine in this run (`orthrus-real calibrate`, unless --calibration is
+given: these machines are shared and differ, so a calibration from another day or machine can be
+2x off), then for the mixes
 9:1, 5:5 and 1:9 (embedding:generation) run `scenarios/fidelity_cpu.yaml` with
 `orthrus-real validate` (simulated with the calibration, measured through the server and the
 bench client) and tabulate the relative errors against the targets (throughput within 5 %,
@@ -52,7 +54,7 @@ def main() -> None:
                         "small", "--adapter-rank", "16"], check=True)
     adapter = model / "adapter"
     calibration = args.calibration or ROOT / "calibration" / "cpu-2core-small.json"
-    if not calibration.exists():
+    if args.calibration is None:
         subprocess.run([sys.executable, "-m", "orthrus_real.cli", "calibrate", "--model", str(model),
                         "--embedding-adapter", str(adapter), "--out", str(calibration)], check=True)
     scenario = ROOT / "scenarios" / "fidelity_cpu.yaml"
@@ -79,7 +81,8 @@ def main() -> None:
         "requests (one workload generator). Each cell is "
         "(simulated - measured) / measured; the simulator used the calibration "
         f"`{calibration.relative_to(ROOT) if calibration.is_relative_to(ROOT) else calibration}` "
-        f"(held-out whole-iteration MAPE {cal['fit_error']['iteration_mape']:.1%}).", "",
+        + ("(measured in this run, " if args.calibration is None else "(given, ")
+        + f"held-out whole-iteration MAPE {cal['fit_error']['iteration_mape']:.1%}).", "",
         "Targets: throughput within 5 %, p50 within 10 %, p99 within 15 %. **Bold** cells miss.", ""]
     head = ["mix", "configuration", "emb tput", "gen tput", "combined", "emb p50", "emb p99",
             "gen p50", "gen p99", "TTFT p50", "TTFT p99"]

@@ -41,7 +41,7 @@ def engine_hidden(engine, ids, kind):
     """Final hidden states of one whole-prompt item (and the logits of every row)."""
     req = Request("probe", kind, 0.0, len(ids), max_output_tokens=1 if kind is RequestKind.GENERATION else 0,
                   token_ids=ids)
-    from orthrus_real.engine import _State
+    from orthrus_real.engine_base import _State
 
     req.payload = _State(tokens=list(ids))
     engine.policy.add(req)

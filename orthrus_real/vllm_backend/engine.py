@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from orthrus_real.engine import Engine, RequestOutput
+from orthrus_real.engine_base import EngineBase, RequestOutput
 from orthrus_real.model_files import read_adapter
 from orthrus_real.vllm_backend.support import check_policy, check_vllm, prepare_environment
 from orthrus_sim.engine import Request, SchedulerConfig
@@ -24,7 +24,7 @@ from orthrus_sim.engine import Request, SchedulerConfig
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels accept
 
 
-class VllmEngine(Engine):
+class VllmEngine(EngineBase):
     def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None,
                  policy: str = "ibs", scheduler: SchedulerConfig | None = None,
                  dtype: str | None = None, kv_cache_tokens: int = 32768,
@@ -32,10 +32,16 @@ class VllmEngine(Engine):
         check_policy(policy)
         self.vllm_version = check_vllm()
         prepare_environment()
-        cfg = self._open(model_dir, dtype)
+        super().__init__(model_dir)
+        import torch
+
+        from orthrus_real.device import choose_dtype
+
+        platform = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        cfg = self._set_dtype(*choose_dtype(platform, dtype, self.cfg.dtype))
         _check_head_size(cfg.head_dim, self.model_dir)
         base = scheduler or SchedulerConfig()
-        self.adapter_name, self._lora, self.adapter_rank = None, None, None
+        self._lora = None
         engine_args: dict = {}
         if adapter_dir:
             self.adapter_name, self._lora, rank = _lora_request(Path(adapter_dir), cfg.num_layers)
@@ -135,16 +141,12 @@ class VllmEngine(Engine):
         req = self._live.get(out.request_id)
         if req is None:
             return None
-        state = req.payload
         if req.is_embedding:
             if out.pooling_output is None:
                 return None
             del self._live[req.request_id]
-            self.counters["embedding_completed"] += 1
-            return RequestOutput(req.request_id, "embedding", True,
-                                 embedding=out.pooling_output.float().tolist(),
-                                 prompt_tokens=req.input_len)
-        prev_text = state.emitted_text
+            return self._embedding_output(req, out.pooling_output)
+        state = req.payload
         done = out.finish_reason is not None
         for tok in out.new_token_ids:
             if self._take_token(req, state, tok) and not done:
@@ -152,16 +154,10 @@ class VllmEngine(Engine):
                 done = True
             if done:
                 break
-        state.emitted_text = state.text
         if done:
             del self._live[req.request_id]
-            self.counters["generation_completed"] += 1
             state.finish_reason = state.finish_reason or str(out.finish_reason)
-        return RequestOutput(
-            req.request_id, "generation", done, new_token_ids=list(out.new_token_ids),
-            token_ids=state.tokens[req.input_len:], text=state.text,
-            new_text=state.text[len(prev_text):], prompt_tokens=req.input_len,
-            finish_reason=state.finish_reason if done else None)
+        return self._generation_output(req, list(out.new_token_ids), done)
 
     def close(self) -> None:
         self.core.shutdown()

@@ -6,6 +6,8 @@ The same string works in a scenario file, ``orthrus-real serve --policy`` and th
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from orthrus_sim.engine.baselines import (
     DecodeOnlyPolicy,
@@ -33,6 +35,19 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
+def _import_user_module(name: str):
+    """Import ``name``; a user's module in the working directory is found too (a console
+    script, unlike ``python -m``, does not put the working directory on ``sys.path``)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        cwd = os.getcwd()
+        if exc.name != name.split(".")[0] or cwd in sys.path:
+            raise
+        sys.path.insert(0, cwd)
+        return importlib.import_module(name)
+
+
 def resolve_policy(spec: str | type[Policy]) -> type[Policy]:
     """The policy class for a built-in name or a ``module:Class`` path; ValueError otherwise."""
     if isinstance(spec, type):
@@ -50,7 +65,7 @@ def resolve_policy(spec: str | type[Policy]) -> type[Policy]:
     else:
         module_name, _, attr = spec.partition(":")
         try:
-            module = importlib.import_module(module_name)
+            module = _import_user_module(module_name)
         except ImportError as exc:
             raise ValueError(
                 f"scheduler.policy: cannot import module {module_name!r} ({exc})"

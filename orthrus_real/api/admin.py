@@ -1,0 +1,93 @@
+"""Health, models, metrics, version, and the tokenizer (``/tokenize``, ``/detokenize``, as
+vLLM's server offers them)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+
+from orthrus_real.api.bodies import ChatMessage
+from orthrus_real.api.context import ServerContext, context
+from orthrus_real.api.errors import ApiError, error_response
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(ctx: ServerContext = Depends(context)):
+    runner = ctx.runner
+    if runner.failed:
+        return error_response(503, f"engine failed: {runner.failed}", kind="server_error",
+                              code="engine_failed")
+    if runner.draining:
+        return error_response(503, "draining", kind="server_error", code="draining")
+    return {"status": "ok"}
+
+
+@router.get("/version")
+async def version():
+    from orthrus_sim import __version__
+
+    return {"version": __version__}
+
+
+@router.get("/v1/models")
+async def models(ctx: ServerContext = Depends(context)):
+    """Each id with what it serves (``serves``) and what it is (``description``)."""
+    data = []
+    for name, entry in ctx.models.items():  # the base model first
+        item = {"id": name, "object": "model", "created": 0, "owned_by": "orthrus",
+                "root": ctx.served_name, "parent": None if name == ctx.served_name else ctx.served_name,
+                "max_model_len": ctx.max_model_len, "serves": entry["serves"],
+                "description": entry["about"]}
+        data.append(item)
+    return {"object": "list", "data": data}
+
+
+@router.get("/metrics")
+async def prometheus(ctx: ServerContext = Depends(context)):
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    if ctx.metrics is None:
+        raise ApiError(404, "metrics are disabled")
+    return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeBody, ctx: ServerContext = Depends(context)):
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        if ctx.chat_template is None:
+            raise ApiError(400, "this model's tokenizer has no chat template", "messages")
+        text = ctx.chat_template.render(
+            messages=[{"role": m.role, "content": m.text()} for m in body.messages],
+            add_generation_prompt=body.add_generation_prompt, bos_token="<s>", eos_token="</s>")
+    else:
+        text = body.prompt
+    ids = ctx.engine.encode(text)
+    return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeBody, ctx: ServerContext = Depends(context)):
+    vocab = ctx.engine.cfg.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"tokens must be in [0, {vocab}), got {bad[0]}", "tokens")
+    return {"prompt": ctx.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}

@@ -1,0 +1,150 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed or not.
+
+A list of prompts gives one choice per prompt (``index`` in order); streamed, the choices'
+chunks interleave as tokens come. ``stream_options.include_usage`` adds a last chunk with the
+usage and no choices, as OpenAI's API does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from orthrus_real.api.bodies import ChatBody, CompletionBody
+from orthrus_real.api.context import GENERATE, ServerContext, context
+from orthrus_real.api.errors import ApiError
+from orthrus_real.sampling import SamplingParams
+
+router = APIRouter()
+
+
+def _sse(payload: dict) -> str:
+    return "data: " + json.dumps(payload) + "\n\n"
+
+
+def _params(ctx: ServerContext, body, prompt_ids: list[int], param: str, chat: bool) -> dict:
+    limit = ctx.max_model_len
+    room = limit - len(prompt_ids)
+    wanted = body.tokens_to_generate(default=max(room, 1) if chat else 16)
+    if len(prompt_ids) + wanted > limit:
+        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({wanted}) exceeds the "
+                            f"model's maximum length {limit}", param, code="context_length_exceeded")
+    try:
+        params = SamplingParams(**{**body.sampling_kwargs(), "max_tokens": wanted})
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    return dict(token_ids=prompt_ids, params=params)
+
+
+async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request: Request, chat: bool):
+    param = "messages" if chat else "prompt"
+    model = body.model or ctx.served_name
+    kwargs = [_params(ctx, body, ids, param, chat) for ids in prompts]
+    pending: list[tuple[str, asyncio.Queue]] = []
+    try:
+        for kw in kwargs:
+            pending.append(ctx.submit(GENERATE, kw))
+        created = int(time.time())
+        rid = pending[0][0]
+        obj = "chat.completion" if chat else "text_completion"
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        if not body.stream:
+            outs = [await ctx.final(r, q, request, param) for r, q in pending]
+            choices = []
+            for i, out in enumerate(outs):
+                choice = {"index": i, "finish_reason": out.finish_reason, "logprobs": None}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": out.text}
+                else:
+                    choice["text"] = out.text
+                choices.append(choice)
+            completion = sum(len(o.token_ids) for o in outs)
+            return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                              "total_tokens": prompt_tokens + completion}}
+        # a rejection still gets a proper status before the stream starts
+        firsts = [await q.get() for _, q in pending]
+        for item in firsts:
+            ctx.raise_for(item, param)
+    except ApiError:
+        ctx.abort_all(r for r, _ in pending)
+        raise
+    chunk_obj = obj + ".chunk" if chat else obj
+
+    async def events():
+        merged: asyncio.Queue = asyncio.Queue()
+        for i, item in enumerate(firsts):
+            merged.put_nowait((i, item))
+
+        async def forward(i: int, q: asyncio.Queue) -> None:
+            while True:
+                item = await q.get()
+                await merged.put((i, item))
+                if isinstance(item, Exception) or item.finished:
+                    return
+
+        forwarders = [asyncio.create_task(forward(i, q)) for i, (_, q) in enumerate(pending)
+                      if not (isinstance(firsts[i], Exception) or firsts[i].finished)]
+        done: set[int] = set()
+        completion = 0
+        try:
+            if chat:
+                for i in range(len(pending)):
+                    yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": model,
+                                "choices": [{"index": i, "delta": {"role": "assistant"},
+                                             "finish_reason": None}]})
+            while len(done) < len(pending):
+                i, item = await merged.get()
+                if isinstance(item, Exception):
+                    yield _sse({"error": {"message": str(item)}})
+                    done.add(i)
+                    continue
+                completion += len(item.new_token_ids)
+                if chat:
+                    choice = {"index": i, "delta": {"content": item.new_text},
+                              "finish_reason": item.finish_reason}
+                else:
+                    choice = {"index": i, "text": item.new_text, "logprobs": None,
+                              "finish_reason": item.finish_reason}
+                yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": model,
+                            "choices": [choice]})
+                if item.finished:
+                    done.add(i)
+            if body.include_usage:
+                yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": model,
+                            "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                     "completion_tokens": completion,
+                                                     "total_tokens": prompt_tokens + completion}})
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in forwarders:
+                task.cancel()
+            # the client went away mid-stream: abort what is still running
+            ctx.abort_all(r for i, (r, _) in enumerate(pending) if i not in done)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionBody, request: Request, ctx: ServerContext = Depends(context)):
+    body.check_supported()
+    ctx.check_model(body.model, "completions")
+    prompts = [ctx.tokens_of(item, "prompt") for item in body.prompts()]
+    return await _generate(ctx, body, prompts, request, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatBody, request: Request, ctx: ServerContext = Depends(context)):
+    body.check_supported()
+    ctx.check_model(body.model, "chat")
+    if ctx.chat_template is None:
+        raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                       "messages")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    text = ctx.chat_template.render(messages=messages, add_generation_prompt=True,
+                                    bos_token="<s>", eos_token="</s>")
+    return await _generate(ctx, body, [ctx.tokens_of({"text": text}, "messages")], request, chat=True)

@@ -1,0 +1,275 @@
+"""What every executor shares: request intake (validation, tokenising, the core policy's
+admission), stop handling, the outputs it returns, its counters and per-iteration records.
+
+``Engine`` (the PyTorch reference engine) and ``VllmEngine`` (the vLLM plug-in) derive from
+``EngineBase`` and add how a batch is run: so a request is checked, stopped and answered the
+same way whichever runs it, and pooling and output building exist once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from orthrus_real.model_files import read_config
+from orthrus_real.sampling import SamplingParams
+from orthrus_sim.costmodel.shape import BatchShape
+from orthrus_sim.engine import (
+    BatchUnit,
+    IncrementalPooler,
+    Policy,
+    Request,
+    RequestKind,
+    SchedulerConfig,
+    make_policy,
+)
+
+
+class RequestRejected(ValueError):
+    """The engine will never serve this request (the reason names the problem)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    kind: str
+    finished: bool
+    new_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    new_text: str = ""
+    embedding: list[float] | None = None
+    finish_reason: str | None = None  # stop | length | abort
+    prompt_tokens: int = 0
+
+
+@dataclass
+class IterationStats:
+    iteration: int
+    start_s: float
+    seconds: float
+    embed_tokens: int
+    prefill_tokens: int
+    decodes: int
+    total_tokens: int
+    token_budget: int
+    kv_usage: float
+    lora_rows: int
+    shape: BatchShape  # what the cost model needs of this batch (for calibration)
+    admitted: list[tuple[str, float]] = field(default_factory=list)  # (kind, admission wait s)
+
+
+@dataclass
+class _State:
+    """Engine-side state of one request (kept in ``Request.payload``)."""
+
+    tokens: list[int]
+    params: SamplingParams | None = None
+    pooler: IncrementalPooler | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+    emitted_text: str = ""  # the part of ``text`` already sent in outputs
+    finish_reason: str | None = None
+
+
+class EngineBase:
+    """The front half of an engine; subclasses set up the model and implement ``step``."""
+
+    policy: Policy
+    scheduler_config: SchedulerConfig
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.cfg = read_config(model_dir)
+        tok_path = self.model_dir / "tokenizer.json"
+        if not tok_path.exists():
+            raise ValueError(f"{model_dir}: tokenizer.json is missing")
+        self.tokenizer = Tokenizer.from_file(str(tok_path))
+        self.stats: deque[IterationStats] = deque(maxlen=100_000)
+        self.iterations = 0
+        self._t0 = time.monotonic()
+        self.counters = {f"{k}_{s}": 0 for k in ("embedding", "generation")
+                         for s in ("completed", "rejected", "aborted")}
+        self.adapter_name: str | None = None
+        self.adapter_rank: int | None = None
+        self.dtype_reason = "the model's"
+
+    def _set_dtype(self, dtype: torch.dtype, why: str):
+        self.cfg = type(self.cfg)(**{**self.cfg.__dict__, "dtype": dtype})
+        self.dtype_reason = why
+        return self.cfg
+
+    def _make_policy(self, policy: str, scheduler: SchedulerConfig, num_blocks: int,
+                     block_size: int) -> None:
+        """The core policy, with the engine's KV capacity and the model's length limit."""
+        self.scheduler_config = replace(
+            scheduler, num_blocks=num_blocks, block_size=block_size,
+            max_model_len=min(scheduler.max_model_len or self.cfg.max_model_len,
+                              self.cfg.max_model_len))
+        self.policy = make_policy(policy, self.scheduler_config)
+
+    def describe(self) -> dict:
+        """What the engine loaded and how it schedules (the server logs it at start)."""
+        c = self.scheduler_config
+        return {"model": str(self.model_dir), "engine": type(self).__name__,
+                "device": str(getattr(self, "device", "(the backend's)")),
+                "dtype": f"{str(self.cfg.dtype).removeprefix('torch.')} ({self.dtype_reason})",
+                "threads": torch.get_num_threads(),
+                "kv_cache": f"{c.num_blocks * c.block_size} tokens in {c.num_blocks} blocks of "
+                            f"{c.block_size}",
+                "max_model_len": c.max_model_len, "policy": self.policy.name,
+                "token_budget": c.token_budget,
+                "chunk_size": c.chunk_size if c.chunk_size is not None else "none (atomic)",
+                "max_num_seqs": c.max_num_seqs, "kv_admission": c.kv_admission,
+                "embedding_adapter": (f"{self.adapter_name} (rank {self.adapter_rank})"
+                                      if self.adapter_name else "none")}
+
+    # ----- requests --------------------------------------------------------------------------
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def _tokens(self, token_ids, text, name: str) -> list[int]:
+        if (token_ids is None) == (text is None):
+            raise ValueError(f"{name}: give exactly one of text or token ids")
+        ids = self.encode(text) if text is not None else list(token_ids)
+        if not ids:
+            raise ValueError(f"{name}: the input is empty")
+        vocab = self.cfg.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name}: token ids must be integers in [0, {vocab}), got {bad[0]!r}")
+        return ids
+
+    def _submit(self, req: Request, kind: str) -> Request:
+        if not self.policy.add(req, self.now()):
+            self.counters[f"{kind}_rejected"] += 1
+            raise RequestRejected(req.reject_reason)
+        return req
+
+    def add_embedding(self, request_id: str, token_ids: list[int] | None = None,
+                      text: str | None = None, pooling: str = "mean",
+                      normalize: bool = True) -> Request:
+        ids = self._tokens(token_ids, text, "input")
+        limit = self.scheduler_config.max_model_len
+        if len(ids) > limit:
+            self.counters["embedding_rejected"] += 1
+            raise RequestRejected(f"input has {len(ids)} tokens, more than the model's maximum "
+                                  f"length {limit}")
+        req = Request(request_id, RequestKind.EMBEDDING, self.now(), len(ids), token_ids=ids,
+                      pooling=pooling, normalize=normalize, adapter=self.adapter_name)
+        req.payload = _State(tokens=ids, pooler=IncrementalPooler(pooling, normalize))
+        return self._submit(req, "embedding")
+
+    def add_generation(self, request_id: str, token_ids: list[int] | None = None,
+                       text: str | None = None, params: SamplingParams | None = None) -> Request:
+        params = params or SamplingParams()
+        ids = self._tokens(token_ids, text, "prompt")
+        limit = self.scheduler_config.max_model_len
+        if len(ids) + params.max_tokens > limit:
+            self.counters["generation_rejected"] += 1
+            raise RequestRejected(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's maximum length {limit}")
+        req = Request(request_id, RequestKind.GENERATION, self.now(), len(ids),
+                      max_output_tokens=params.max_tokens, token_ids=ids)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(params.seed)
+        req.payload = _State(tokens=list(ids), params=params, generator=gen)
+        return self._submit(req, "generation")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self._drop(request_id)
+        if req is None:
+            return None
+        self.counters[f"{req.kind.value}_aborted"] += 1
+        return RequestOutput(request_id, req.kind.value, True, finish_reason="abort",
+                             token_ids=req.payload.tokens[req.input_len:], text=req.payload.text,
+                             prompt_tokens=req.input_len)
+
+    def _drop(self, request_id: str) -> Request | None:
+        return self.policy.abort(request_id, self.now())
+
+    @property
+    def has_work(self) -> bool:
+        return self.policy.has_work
+
+    # ----- one iteration ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the outputs it produced."""
+        raise NotImplementedError
+
+    def _take_token(self, req: Request, state: _State, tok: int) -> bool:
+        """Append a sampled token and update the text; True if it hit a stop (EOS, a stop id
+        or a stop string). Sets ``finish_reason`` once the request has ended either way."""
+        state.tokens.append(tok)
+        p = state.params
+        stop = (not p.ignore_eos and tok in self.cfg.eos_token_ids) or tok in p.stop_token_ids
+        if stop:
+            state.finish_reason = "stop"
+        if p.stop or not stop:
+            text = self.tokenizer.decode(state.tokens[req.input_len:], skip_special_tokens=True)
+            for s in p.stop:
+                at = text.find(s)
+                if at >= 0:
+                    text = text[:at]
+                    state.finish_reason = "stop"
+                    stop = True
+                    break
+            state.text = text
+        if state.finish_reason is None and len(state.tokens) - req.input_len >= req.max_output_tokens:
+            state.finish_reason = "length"
+        return stop
+
+    def _embedding_output(self, req: Request, vector) -> RequestOutput:
+        """The final output of an embedding request (``vector``: a tensor or a list)."""
+        self.counters["embedding_completed"] += 1
+        values = vector.float().cpu().tolist() if hasattr(vector, "float") else list(vector)
+        return RequestOutput(req.request_id, "embedding", True, embedding=values,
+                             prompt_tokens=req.input_len)
+
+    def _generation_output(self, req: Request, new_token_ids: list[int], done: bool) -> RequestOutput:
+        """An output of a generation request after its newest tokens (already taken with
+        ``_take_token``): the text so far and what is new since the last output."""
+        state: _State = req.payload
+        prev_text, state.emitted_text = state.emitted_text, state.text
+        if done:
+            self.counters["generation_completed"] += 1
+        return RequestOutput(
+            req.request_id, "generation", done, new_token_ids=list(new_token_ids),
+            token_ids=state.tokens[req.input_len:], text=state.text,
+            new_text=state.text[len(prev_text):], prompt_tokens=req.input_len,
+            finish_reason=state.finish_reason if done else None)
+
+    def _record(self, batch: BatchUnit, start: float) -> None:
+        comp = batch.composition()
+        self.iterations += 1
+        admitted = [(it.request.kind.value, it.request.admitted_at - it.request.arrival_time)
+                    for it in batch.items
+                    if it.request.admitted_at is not None and it.request.admitted_at >= start]
+        self.stats.append(IterationStats(
+            self.iterations, start, self.now() - start, comp["embed_tokens"], comp["prefill_tokens"],
+            comp["decodes"], batch.total_tokens, batch.token_budget, self.policy.blocks.usage,
+            comp["embed_tokens"] if self.adapter_name else 0,
+            BatchShape.from_batch(batch, adapter=self.adapter_name is not None), admitted))
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (nothing, for this one)."""
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> dict[str, RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        for _ in range(max_steps):
+            if not self.has_work:
+                return final
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        raise RuntimeError("run_until_idle: still busy after max_steps")
