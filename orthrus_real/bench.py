@@ -22,8 +22,7 @@ import numpy as np
 
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
 from orthrus_sim.experiment.results import (
-    request_metrics,
-    request_row,
+    RequestLog,
     results_doc,
     summary,
     window_warnings,
@@ -139,7 +138,7 @@ class LiveDriver:
         self.token_range = token_range
         self.t0 = time.monotonic()
         self.workload = Workload(scenario, self.now, keep_specs)
-        self.issued: list[Request] = []
+        self.log = RequestLog(scenario.warmup_s, end_hint=scenario.duration_s, seed=scenario.seed)
         self.retrieval_s: list[float] = []
         self.index: np.ndarray | None = None
         self._tasks: list[asyncio.Task] = []
@@ -155,7 +154,7 @@ class LiveDriver:
     async def send(self, spec: RequestSpec) -> Outcome:
         req = Request(spec.request_id, spec.kind, self.now(), spec.input_len,
                       max_output_tokens=spec.max_output_tokens)
-        self.issued.append(req)
+        self.log.sent(req, spec.phase)
         ids = spec.tokens.ids(self.token_range)
         try:
             if spec.kind is RequestKind.EMBEDDING:
@@ -174,12 +173,14 @@ class LiveDriver:
             if req.state is RequestState.WAITING:
                 req.reject(str(exc))
                 req.finished_at = self.now()
+                self.log.ended(req)
                 return Outcome("rejected", reason=str(exc))
             raise
         if req.state is RequestState.WAITING:
             req.transition(RequestState.RUNNING)
         req.transition(RequestState.FINISHED)
         req.finished_at = self.now()
+        self.log.ended(req)
         return Outcome("finished", req.num_generated, embedding=vector)
 
     # ----- retrieval (workload.iter_retgen.retrieval: vector) --------------------------------
@@ -353,7 +354,7 @@ async def measure(transport, scenario: Scenario, label: str, token_range: int,
     if marker is not None and not marker.done():
         marker.cancel()
     start = min(scenario.warmup_s, end)
-    metrics = request_metrics(driver.issued, driver.workflows, start, end)
+    metrics = driver.log.close(end, driver.workflows)
     measured = engine_metrics(at_warmup or before, after, end - start,
                               get_hardware(scenario.hardware).peak_flops)
     metrics["admission_wait_s"] = measured.pop("admission_wait_s")
@@ -361,8 +362,10 @@ async def measure(transport, scenario: Scenario, label: str, token_range: int,
     metrics.update({"retrieval_s": summary(driver.retrieval_s) if driver.retrieval_s else None,
                     "sim_end_s": end, "wall_s": wall})
     metrics["warnings"] = driver.workload.warnings + window_warnings(metrics)
+    if scenario.workload.phases:
+        metrics["phases"] = driver.log.phase_metrics(scenario.workload.phases)
     doc = results_doc(scenario_dump(scenario), [{"configuration": label, "metrics": metrics}])
-    return doc, [request_row(r) for r in driver.issued]
+    return doc, driver.log.sample
 
 
 async def bench(url: str, scenario: Scenario, label: str = "measured", token_range: int = 500,

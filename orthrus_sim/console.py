@@ -15,7 +15,8 @@ def make_console(stderr: bool = False) -> Console:
 
 def fail(message: object, code: int = 2) -> None:
     """Print ``error: message`` on stderr (no traceback, no markup read in it) and exit."""
-    Console(stderr=True).print(f"[red]error:[/red] {escape(str(message))}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(str(message))}",
+                                              highlight=False)
     raise typer.Exit(code)
 
 

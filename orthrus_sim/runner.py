@@ -26,16 +26,20 @@ from orthrus_sim.sim.run import RunResult, simulate
 
 @dataclass(frozen=True)
 class Task:
-    """One simulation: a scenario as plain data (validated, paths resolved) and a configuration."""
+    """One simulation: a scenario as plain data (validated, paths resolved) and a configuration;
+    ``requests_csv``: where its per-request rows stream (None: no rows are kept)."""
 
     scenario: dict
     configuration: str
     label: str
+    requests_csv: str | None = None
 
 
 def run_task(task: Task, progress=None) -> RunResult:
     scenario = parse_scenario(task.scenario, task.label)
-    return simulate(scenario, task.configuration, progress=progress)
+    csv_path = Path(task.requests_csv) if task.requests_csv else None
+    return simulate(scenario, task.configuration, progress=progress, requests_csv=csv_path,
+                    keep_rows=False)
 
 
 def _run_in_worker(args) -> RunResult:
@@ -100,13 +104,14 @@ def run_scenario(scenario: Scenario, out: Path, workers: int | None = None,
                  fmt: str = "table") -> dict:
     console = console or Console()
     data = scenario_dump(scenario)
-    results = run_tasks([Task(data, cfg, cfg) for cfg in scenario.configurations], workers)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = [Task(data, cfg, cfg, str(out / f"requests_{_safe(cfg)}.csv"))
+             for cfg in scenario.configurations]
+    results = run_tasks(tasks, workers)
     runs = [{"configuration": r.configuration, "metrics": r.metrics} for r in results]
     doc = results_doc(data, runs)
-    out.mkdir(parents=True, exist_ok=True)
     write_json(doc, out / "results.json")
     for r in results:
-        write_csv(out / f"requests_{_safe(r.configuration)}.csv", r.requests)
         write_csv(out / f"timeline_{_safe(r.configuration)}.csv", r.timeline)
     if plots_too:
         from orthrus_sim import plots

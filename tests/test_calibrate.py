@@ -47,7 +47,7 @@ def test_validate_runs_both_sides(calibration, tiny_models, tmp_path):
     model = tiny_models["llama"]
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({
-        "name": "smoke", "seed": 0, "duration_s": 3, "warmup_s": 0.5,
+        "name": "smoke", "seed": 0, "num_requests": 24,
         "configurations": ["orthrus"],
         "scheduler": {"token_budget": 512, "chunk_size": 128},
         "workload": {"arrival": {"process": "closed-loop", "clients": 4}, "generation_share": 0.5,

@@ -21,12 +21,14 @@ from typing import Any
 import numpy as np
 
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
+from orthrus_sim.experiment.quantiles import Quantiles
 
 SCHEMA = "orthrus.results/1"
 PERCENTILES = {"p50": 50, "p95": 95, "p99": 99}
 KINDS = ("embedding", "generation")
 MIN_COMPLETIONS = 30  # fewer in the window: a warning (a p99 needs more)
 MIN_LIFETIMES = 3.0  # a window shorter than this many mean latencies: a warning
+EPS = 1e-9
 
 
 def summary(values: Sequence[float]) -> dict[str, float | None]:
@@ -54,67 +56,151 @@ def request_row(req: Request) -> dict:
     }
 
 
-def request_metrics(issued: Iterable[Request], workflows: Sequence, start: float,
-                    end: float) -> dict:
-    """Throughput, latency, admission wait and counts over the window ``[start, end]``."""
-    eps = 1e-9
-    window = max(end - start, 1e-12)
-    lat: dict[str, list[float]] = {"embedding": [], "generation": [], "ttft": [], "tpot": []}
-    admission: dict[str, list[float]] = {k: [] for k in KINDS}
-    completed = dict.fromkeys(KINDS, 0)
-    unfinished = dict.fromkeys(KINDS, 0)
-    rejected = dict.fromkeys(KINDS, 0)
-    issued_n = dict.fromkeys(KINDS, 0)
-    arrived = dict.fromkeys(KINDS, 0)
-    censored = dict.fromkeys(KINDS, 0)
-    ages: dict[str, list[float]] = {k: [] for k in KINDS}  # of requests unfinished at the end
-    finished_state = RequestState.FINISHED
-    for r in issued:
-        kind = r.kind.value
-        issued_n[kind] += 1
-        in_window = start - eps <= r.arrival_time <= end + eps
-        if r.state is RequestState.REJECTED:
-            rejected[kind] += 1
-            continue
-        done = r.state is finished_state and r.finished_at <= end + eps
-        if not done:
+class RequestLog:
+    """Requests accounted for as they end, over the window ``[start, end]``.
+
+    The simulator's driver and the live bench both call ``sent`` when a request leaves and
+    ``ended`` when it finished or was rejected; ``close(end, ...)`` counts what is still in
+    flight and returns the metrics. So a run holds only the requests in flight: per-request rows
+    go to ``rows`` (a CSV writer, say) as requests end, and percentiles come from ``Quantiles``
+    (exact up to 100,000 values, then within 0.5 %). ``sample`` keeps that many rows (a uniform
+    reservoir) for the plots. ``end_hint``: the window's end when it is known in advance (a run
+    by duration): a request that ends after it counts as unfinished.
+    """
+
+    def __init__(self, start: float, rows=None, sample: int | None = None, end_hint: float | None = None,
+                 seed: int = 0) -> None:
+        self.start = start
+        self.end_hint = end_hint
+        self._rows = rows
+        self._sample_cap = sample
+        self.sample: list[dict] = []
+        self._rng = np.random.default_rng(seed)
+        self._row_count = 0
+        self.issued = dict.fromkeys(KINDS, 0)
+        self.completed = dict.fromkeys(KINDS, 0)
+        self.rejected = dict.fromkeys(KINDS, 0)
+        self.arrived = dict.fromkeys(KINDS, 0)
+        self.latency = {k: Quantiles() for k in ("embedding", "generation", "ttft", "tpot")}
+        self.admission = {k: Quantiles() for k in KINDS}
+        self.outstanding: dict[str, Request] = {}
+        self._phase_of: dict[str, int] = {}
+        self.phases: dict[int, dict] = {}
+        self.last_finish = 0.0
+
+    def sent(self, req: Request, phase: int | None = None) -> None:
+        kind = req.kind.value
+        self.issued[kind] += 1
+        if req.arrival_time >= self.start - EPS:
+            self.arrived[kind] += 1
+        self.outstanding[req.request_id] = req
+        if phase is not None:
+            self._phase_of[req.request_id] = phase
+            ph = self.phases.setdefault(phase, {"issued": 0, "completed": 0, "start_s": None,
+                                                "last_finish_s": None})
+            ph["issued"] += 1
+            if ph["start_s"] is None or req.arrival_time < ph["start_s"]:
+                ph["start_s"] = req.arrival_time
+
+    def ended(self, req: Request) -> None:
+        """``req`` finished or was rejected."""
+        if self.end_hint is not None and req.finished_at is not None \
+                and req.finished_at > self.end_hint + EPS:
+            return  # after the window: it stays outstanding, counted unfinished at the close
+        self.outstanding.pop(req.request_id, None)
+        kind = req.kind.value
+        phase = self._phase_of.pop(req.request_id, None)
+        if req.state is RequestState.REJECTED:
+            self.rejected[kind] += 1
+        elif req.state is RequestState.FINISHED:
+            self.last_finish = max(self.last_finish, req.finished_at)
+            if phase is not None:
+                ph = self.phases[phase]
+                ph["completed"] += 1
+                if ph["last_finish_s"] is None or req.finished_at > ph["last_finish_s"]:
+                    ph["last_finish_s"] = req.finished_at
+            if req.finished_at >= self.start - EPS:
+                self.completed[kind] += 1
+            if req.arrival_time >= self.start - EPS:
+                self.latency[kind].add(req.finished_at - req.arrival_time)
+                if req.admitted_at is not None:  # a live client does not see admission
+                    self.admission[kind].add(req.admitted_at - req.arrival_time)
+                if req.kind is RequestKind.GENERATION and req.first_token_at is not None:
+                    self.latency["ttft"].add(req.first_token_at - req.arrival_time)
+                    if req.num_generated > 1:
+                        self.latency["tpot"].add((req.finished_at - req.first_token_at)
+                                                 / (req.num_generated - 1))
+        self._row(req, phase)
+
+    def _row(self, req: Request, phase: int | None) -> None:
+        row = request_row(req)
+        if self.phases:
+            row["phase"] = phase
+        if self._rows is not None:
+            self._rows(row)
+        if self._sample_cap is None:
+            self.sample.append(row)
+        else:  # reservoir sampling: every row kept with the same probability
+            self._row_count += 1
+            if len(self.sample) < self._sample_cap:
+                self.sample.append(row)
+            else:
+                j = int(self._rng.integers(self._row_count))
+                if j < self._sample_cap:
+                    self.sample[j] = row
+
+    def close(self, end: float, workflows: Sequence = ()) -> dict:
+        """The metrics over ``[start, end]``; what is still in flight counts as unfinished
+        (and gets its row)."""
+        start = min(self.start, end)
+        window = max(end - start, 1e-12)
+        latency = {k: q.summary() for k, q in self.latency.items()}
+        unfinished = dict.fromkeys(KINDS, 0)
+        censored = dict.fromkeys(KINDS, 0)
+        past_p99 = dict.fromkeys(KINDS, 0)
+        for req in list(self.outstanding.values()):
+            kind = req.kind.value
             unfinished[kind] += 1
-        elif r.finished_at >= start - eps:
-            completed[kind] += 1
-        if not in_window:
-            continue
-        arrived[kind] += 1
-        if not done:
-            censored[kind] += 1
-            ages[kind].append(end - r.arrival_time)
-            continue
-        lat[kind].append(r.finished_at - r.arrival_time)
-        if r.admitted_at is not None:  # a live client does not see admission
-            admission[kind].append(r.admitted_at - r.arrival_time)
-        if r.kind is RequestKind.GENERATION and r.first_token_at is not None:
-            lat["ttft"].append(r.first_token_at - r.arrival_time)
-            if r.num_generated > 1:
-                lat["tpot"].append((r.finished_at - r.first_token_at) / (r.num_generated - 1))
-    throughput = {k: completed[k] / window for k in KINDS}
-    throughput["combined"] = sum(completed.values()) / window
-    latency = {k: summary(v) for k, v in lat.items()}
-    past_p99 = {k: sum(1 for a in ages[k] if latency[k]["p99"] is None or a > latency[k]["p99"])
-                for k in KINDS}
-    counts = {"completed": completed, "unfinished": unfinished, "rejected": rejected,
-              "issued": issued_n, "arrived_in_window": arrived, "unfinished_in_window": censored,
-              "unfinished_past_p99": past_p99}
-    if workflows:
-        done_flows = [w for w in workflows if w.end is not None and w.end <= end + eps]
-        throughput["workflow"] = sum(1 for w in done_flows if w.end >= start - eps) / window
-        latency["workflow"] = summary([w.end - w.start for w in done_flows
-                                       if w.start >= start - eps])
-        completed["workflow"] = sum(1 for w in done_flows if w.end >= start - eps)
-        unfinished["workflow"] = sum(1 for w in workflows
-                                     if (w.end is None or w.end > end + eps) and not w.failed)
-        rejected["workflow"] = sum(1 for w in workflows if w.failed)
-    return {"throughput_rps": throughput, "latency_s": latency,
-            "admission_wait_s": {k: summary(v) for k, v in admission.items()},
-            **counts, "window_s": [start, end]}
+            if req.arrival_time >= start - EPS:
+                censored[kind] += 1
+                p99 = latency[kind]["p99"]
+                if p99 is None or end - req.arrival_time > p99:
+                    past_p99[kind] += 1
+            self._row(req, self._phase_of.get(req.request_id))
+        completed = dict(self.completed)
+        throughput = {k: completed[k] / window for k in KINDS}
+        throughput["combined"] = sum(completed.values()) / window
+        rejected = dict(self.rejected)
+        if workflows:
+            done_flows = [w for w in workflows if w.end is not None and w.end <= end + EPS]
+            completed["workflow"] = sum(1 for w in done_flows if w.end >= start - EPS)
+            throughput["workflow"] = completed["workflow"] / window
+            latency["workflow"] = summary([w.end - w.start for w in done_flows
+                                           if w.start >= start - EPS])
+            unfinished["workflow"] = sum(1 for w in workflows
+                                         if (w.end is None or w.end > end + EPS) and not w.failed)
+            rejected["workflow"] = sum(1 for w in workflows if w.failed)
+        return {"throughput_rps": throughput, "latency_s": latency,
+                "admission_wait_s": {k: q.summary() for k, q in self.admission.items()},
+                "completed": completed, "unfinished": unfinished, "rejected": rejected,
+                "issued": dict(self.issued), "arrived_in_window": dict(self.arrived),
+                "unfinished_in_window": censored, "unfinished_past_p99": past_p99,
+                "window_s": [start, end]}
+
+    def phase_metrics(self, phases: Sequence) -> list[dict]:
+        """Per phase of the workload: its mix, what was issued and finished, and when its last
+        request finished (completion time: last finish - first arrival, once all finished)."""
+        out = []
+        for i, phase in enumerate(phases):
+            ph = self.phases.get(i, {"issued": 0, "completed": 0, "start_s": None,
+                                     "last_finish_s": None})
+            all_done = ph["issued"] > 0 and ph["completed"] == ph["issued"]
+            out.append({"phase": i, "generation_share": phase.generation_share,
+                        "issued": ph["issued"], "completed": ph["completed"],
+                        "start_s": ph["start_s"],
+                        "last_finish_s": ph["last_finish_s"] if all_done else None,
+                        "completion_s": (ph["last_finish_s"] - ph["start_s"]) if all_done else None})
+        return out
 
 
 def window_warnings(metrics: dict) -> list[str]:
@@ -171,6 +257,24 @@ def write_json(doc: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
+
+
+class CsvRows:
+    """A callable that appends dict rows to a CSV file (header from the first row)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = path.open("w", newline="")
+        self._writer: csv.DictWriter | None = None
+
+    def __call__(self, row: dict) -> None:
+        if self._writer is None:
+            self._writer = csv.DictWriter(self._fh, fieldnames=list(row))
+            self._writer.writeheader()
+        self._writer.writerow(row)
+
+    def close(self) -> None:
+        self._fh.close()
 
 
 def write_csv(path: Path, rows: Iterable[dict]) -> None:

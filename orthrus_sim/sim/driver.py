@@ -11,6 +11,7 @@ from collections.abc import Callable
 import simpy
 
 from orthrus_sim.engine.request import Request, RequestState
+from orthrus_sim.experiment.results import RequestLog
 from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.experiment.workload import (
     Client,
@@ -36,13 +37,12 @@ class SimDriver:
     """Issues the workload's requests into ``submit`` and tracks what is outstanding."""
 
     def __init__(self, env: simpy.Environment, scenario: Scenario,
-                 submit: Callable[[Request], None], keep_specs: bool = False) -> None:
+                 submit: Callable[[Request], None], log: RequestLog, keep_specs: bool = False) -> None:
         self.env = env
         self.scenario = scenario
         self._submit = submit
+        self.log = log
         self.workload = Workload(scenario, lambda: env.now, keep_specs)
-        self.issued: list[Request] = []
-        self.phase_of: dict[str, int] = {}
         self.outstanding = 0
         self._running = 0  # client processes still alive
         self.all_done = env.event()  # every source ended and every request left
@@ -62,6 +62,7 @@ class SimDriver:
     def request_done(self, request: Request) -> None:
         """The cluster's callback: ``request`` finished or was rejected."""
         self.outstanding -= 1
+        self.log.ended(request)
         request.payload.succeed(request)
         self._check_done()
 
@@ -75,9 +76,7 @@ class SimDriver:
                       max_output_tokens=spec.max_output_tokens,
                       pooling=self.scenario.embedding.pooling)
         req.payload = self.env.event()
-        if spec.phase is not None:
-            self.phase_of[spec.request_id] = spec.phase
-        self.issued.append(req)
+        self.log.sent(req, spec.phase)
         self.outstanding += 1
         self._submit(req)
         return req.payload

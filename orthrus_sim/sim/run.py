@@ -5,21 +5,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import simpy
 
-from orthrus_sim.experiment.results import request_metrics, request_row, window_warnings
+from orthrus_sim.experiment.results import CsvRows, RequestLog, window_warnings
 from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.cluster import Cluster
 from orthrus_sim.sim.driver import SimDriver
 from orthrus_sim.sim.metrics import replica_metrics
+
+PLOT_SAMPLE = 50_000  # rows kept for the plots when the rows stream to a CSV file
 
 
 @dataclass
 class RunResult:
     configuration: str
     metrics: dict
-    requests: list[dict]
+    requests: list[dict]  # every row, or a uniform sample of them when streamed to a CSV
     timeline: list[dict]
     specs: list = field(default_factory=list)  # the workload's RequestSpecs (keep_specs)
 
@@ -49,14 +52,23 @@ def _monitor(env: simpy.Environment, cluster: Cluster, interval: float, rows: li
 
 
 def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_forward: bool = True,
-             progress: Callable[[float], None] | None = None, keep_specs: bool = False) -> RunResult:
-    """Run ``configuration`` of ``scenario`` to its end; deterministic for a given seed."""
+             progress: Callable[[float], None] | None = None, keep_specs: bool = False,
+             requests_csv: Path | None = None, keep_rows: bool = True) -> RunResult:
+    """Run ``configuration`` of ``scenario`` to its end; deterministic for a given seed.
+
+    With ``requests_csv``, per-request rows stream to that file as requests end (memory stays
+    bounded however long the run) and ``RunResult.requests`` is a uniform sample of them;
+    without it, ``RunResult.requests`` holds every row, or none with ``keep_rows=False``.
+    """
     wall = time.perf_counter()
     env = simpy.Environment()
+    sink = CsvRows(requests_csv) if requests_csv is not None else None
+    sample = PLOT_SAMPLE if sink else (None if keep_rows else 0)
+    log = RequestLog(scenario.warmup_s, sink, sample, scenario.duration_s, scenario.seed)
     box: list[SimDriver] = []
     cluster = Cluster(env, scenario, configuration, lambda r: box[0].request_done(r),
                       cost_factory, fast_forward)
-    driver = SimDriver(env, scenario, cluster.submit, keep_specs)
+    driver = SimDriver(env, scenario, cluster.submit, log, keep_specs)
     box.append(driver)
     driver.start()
     timeline: list[dict] = []
@@ -83,32 +95,13 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
     start = min(scenario.warmup_s, end)
     first = at_warmup or [type(rep.stats)() for rep in cluster.replicas]
     window = [rep.progress().minus(s) for rep, s in zip(cluster.replicas, first)]
-    metrics = request_metrics(driver.issued, driver.workflows, start, end)
+    metrics = log.close(end, driver.workflows)
+    if sink is not None:
+        sink.close()
     metrics.update(replica_metrics(cluster.replicas, window, end - start, cluster.hardware))
     metrics.update({"kv_transfers": cluster.kv_transfers, "kv_transfer_s": cluster.kv_transfer_s,
                     "sim_end_s": end, "sim_wall_s": time.perf_counter() - wall})
     if scenario.workload.phases:
-        metrics["phases"] = phase_metrics(driver, scenario)
+        metrics["phases"] = log.phase_metrics(scenario.workload.phases)
     metrics["warnings"] = driver.workload.warnings + window_warnings(metrics)
-    rows = [request_row(r) for r in driver.issued]
-    if driver.phase_of:
-        for row in rows:
-            row["phase"] = driver.phase_of.get(row["request_id"])
-    return RunResult(configuration, metrics, rows, timeline, driver.workload.specs or [])
-
-
-def phase_metrics(driver: SimDriver, scenario: Scenario) -> list[dict]:
-    """Per phase: its mix, what was issued and finished, and when its last request finished."""
-    out = []
-    for i, phase in enumerate(scenario.workload.phases):
-        reqs = [r for r in driver.issued if driver.phase_of.get(r.request_id) == i]
-        done = [r for r in reqs if r.finished_at is not None and r.state.value == "finished"]
-        start = min((r.arrival_time for r in reqs), default=None)
-        end = max((r.finished_at for r in done), default=None)
-        out.append({
-            "phase": i, "generation_share": phase.generation_share, "issued": len(reqs),
-            "completed": len(done), "start_s": start,
-            "last_finish_s": end if len(done) == len(reqs) else None,
-            "completion_s": (end - start) if reqs and len(done) == len(reqs) else None,
-        })
-    return out
+    return RunResult(configuration, metrics, log.sample, timeline, driver.workload.specs or [])
