@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from orthrus_sim.engine import (
@@ -428,6 +428,12 @@ def test_all_policies_registered():
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy_name=st.sampled_from(["ibs", "unified-hetero", "unified-homo", "generation"]),
        specs=st.lists(request_spec, min_size=1, max_size=30), k=knobs)
+@example(  # an embedding admitted into blocks a running decode was to grow into
+    policy_name="unified-homo",
+    specs=[("embedding", 0.0, 209, 1), ("embedding", 1.0, 65, 1), ("generation", 0.0, 58, 40),
+           ("generation", 0.0, 187, 40), ("generation", 2.0, 1, 1)],
+    k={"token_budget": 256, "chunk": 16, "max_num_seqs": 4, "block_size": 16, "num_blocks": 40,
+       "waiting_work": "prompt", "max_num_embeds": None})
 def test_reserve_admission_never_preempts(policy_name, specs, k):
     """kv_admission: reserve admits a generation only when every running one's final length
     fits, so (outputs ending at their expected length) no decode ever has to preempt."""

@@ -25,11 +25,8 @@ class LinearCost:
     def shape_time(self, shape):
         return A + B * shape.tokens
 
-    def shape_flops(self, shape):
-        return 0.0
-
-    def shape_bytes(self, shape):
-        return 0.0
+    def shape_work(self, shape, steps=1):
+        return 0.0, 0.0
 
     def decode_step_times(self, shape, steps):
         return [self.shape_time(shape)] * steps
@@ -177,6 +174,43 @@ def test_decode_runs_equal_stepping_one_iteration_at_a_time(configuration):
     assert sum(g["decode_runs"] for g in slow.metrics["utilization"]["per_gpu"]) == 0
 
 
+@pytest.mark.parametrize("configuration", ["dedicated-0:1", "orthrus"])
+def test_decode_runs_through_finishes_equal_stepping(configuration, monkeypatch):
+    """Open loop, light load: nothing waits, so runs go on through finishes, phase by phase
+    (each request leaving at its own step); every timestamp and counter equals stepping."""
+    from orthrus_sim.engine.policy import Policy
+
+    longest = []
+    phases = Policy.steady_decode_phases
+
+    def recording(self, batch):
+        out = phases(self, batch)
+        longest.append(len(out))
+        return out
+
+    monkeypatch.setattr(Policy, "steady_decode_phases", recording)
+    raw = {
+        "name": "phases", "seed": 5, "calibration": "a100-40gb", "num_requests": 120,
+        "embedding": {"lora_rank": None},
+        "workload": {"pools": [{"kind": "generation", "process": "poisson", "rate": 3.0}],
+                     "generation_prompt": {"dist": "uniform", "low": 16, "high": 600},
+                     "generation_output": {"dist": "uniform", "low": 1, "high": 400}},
+        "configurations": [configuration],
+    }
+    scenario = parse_scenario(raw)
+    fast = simulate(scenario, configuration, fast_forward=True)
+    assert max(longest) > 3  # runs went through several finishes
+    slow = simulate(scenario, configuration, fast_forward=False)
+    assert fast.metrics["iterations"] == slow.metrics["iterations"]
+    assert fast.metrics["completed"] == slow.metrics["completed"] == {"embedding": 0, "generation": 120}
+    for f, s in zip(fast.requests, slow.requests, strict=True):
+        assert (f["request_id"], f["finished_s"], f["first_token_s"]) == (
+            s["request_id"], s["finished_s"], s["first_token_s"])
+    for f, s in zip(fast.metrics["utilization"]["per_gpu"], slow.metrics["utilization"]["per_gpu"]):
+        assert f["iterations"] == s["iterations"] and math.isclose(f["busy"], s["busy"], rel_tol=1e-9)
+        assert math.isclose(f["mfu"], s["mfu"], rel_tol=1e-9)
+
+
 def test_scenario_errors_name_the_field():
     with pytest.raises(ValueError, match=r"workload\.arrival: .*needs 'rate'"):
         parse_scenario({"name": "x", "duration_s": 1, "workload": {"arrival": {"process": "poisson"}}})
@@ -229,9 +263,9 @@ def test_cli_run_validate_and_errors(tmp_path):
 
 
 def test_long_decode_runs_priced_in_segments_equal_stepping():
-    """Runs longer than one pricing segment (600-token outputs, nothing arriving) give the
+    """Runs over several pricing segments (600-token outputs, nothing arriving) give the
     very results of stepping one iteration at a time."""
-    from orthrus_sim.sim.replica import RUN_SEGMENT
+    from orthrus_sim.sim.replica import FIRST_RUN_SEGMENT
 
     raw = burst_scenario("orthrus", 1)
     raw["workload"]["burst"] = [{"kind": "generation", "count": 6}]
@@ -240,7 +274,7 @@ def test_long_decode_runs_priced_in_segments_equal_stepping():
     scenario = parse_scenario(raw)
     fast = simulate(scenario, "orthrus")
     slow = simulate(scenario, "orthrus", fast_forward=False)
-    assert max(r["output_tokens"] for r in fast.requests) > 2 * RUN_SEGMENT
+    assert max(r["output_tokens"] for r in fast.requests) > 8 * FIRST_RUN_SEGMENT  # 4 segments
     assert fast.metrics["iterations"] == slow.metrics["iterations"]
     assert [r["finished_s"] for r in fast.requests] == [r["finished_s"] for r in slow.requests]
     assert fast.metrics["utilization"]["per_gpu"][0]["decode_runs"] > 0

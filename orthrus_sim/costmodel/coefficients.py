@@ -23,13 +23,22 @@ class OpCoeffs:
     overhead_s: float = 0.0
 
     def time(self, flops: float, bytes_: float, peak: float, bw: float) -> float:
-        c = flops / (peak * self.compute_eff)
-        m = bytes_ / (bw * self.memory_eff)
-        if c <= 0.0 or m <= 0.0:
-            return max(c, m) + (self.overhead_s if (c or m) else 0.0)
-        p = self.sharpness
-        hi = max(c, m)
-        return hi * ((c / hi) ** p + (m / hi) ** p) ** (1.0 / p) + self.overhead_s
+        return _roofline(flops / (peak * self.compute_eff), bytes_ / (bw * self.memory_eff),
+                         self.sharpness, self.overhead_s)
+
+    def times(self, work: list[tuple[float, float]], peak: float, bw: float) -> list[float]:
+        """``time`` of each (FLOPs, bytes) pair: the same floats, without a call per pair."""
+        compute, memory = peak * self.compute_eff, bw * self.memory_eff
+        p, overhead = self.sharpness, self.overhead_s
+        return [_roofline(f / compute, b / memory, p, overhead) for f, b in work]
+
+
+def _roofline(c: float, m: float, p: float, overhead: float) -> float:
+    """smooth_max(compute seconds, memory seconds) + overhead (see ``OpCoeffs``)."""
+    if c <= 0.0 or m <= 0.0:
+        return max(c, m) + (overhead if (c or m) else 0.0)
+    hi = max(c, m)
+    return hi * ((c / hi) ** p + (m / hi) ** p) ** (1.0 / p) + overhead
 
 
 def default_ops() -> dict[str, OpCoeffs]:

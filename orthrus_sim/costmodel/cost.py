@@ -5,7 +5,13 @@ from __future__ import annotations
 from orthrus_sim.costmodel.coefficients import Coefficients
 from orthrus_sim.costmodel.hardware import Hardware
 from orthrus_sim.costmodel.model import LoRASpec, ModelSpec
-from orthrus_sim.costmodel.operators import PER_LAYER, operator_work, token_work, variable_work
+from orthrus_sim.costmodel.operators import (
+    PER_LAYER,
+    decode_attention_work,
+    operator_work,
+    token_work,
+    variable_work,
+)
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine.batch import BatchUnit
 
@@ -26,7 +32,7 @@ class CostModel:
         self.coefficients = coefficients or Coefficients()
         self.lora = lora
         self._token_cache: dict[int, float] = {}
-        self._work_caches: tuple[dict[int, float], dict[int, float]] = ({}, {})
+        self._work_cache: dict[int, tuple[float, float]] = {}
 
     def _op_time(self, name: str, flops: float, bytes_: float) -> float:
         if flops == 0.0 and bytes_ == 0.0:
@@ -52,15 +58,29 @@ class CostModel:
         return out
 
     def shape_time(self, shape: BatchShape) -> float:
+        """Seconds of one iteration: everything but the decodes' attention (``_base_time``),
+        plus that attention; a decode run (``decode_step_times``) prices its steps with the
+        very same two terms, so stepping and runs give identical floats."""
         if shape.num_seqs == 0:
             return 0.0
+        return self._base_time(shape) + self._decode_attention_time(shape.decode_kv, shape.decodes)
+
+    def _base_time(self, shape: BatchShape) -> float:
         fixed = self._token_cache.get(shape.tokens)
         if fixed is None:
             fixed = sum(self._whole_model(token_work(self.model, shape.tokens)).values())
             self._token_cache[shape.tokens] = fixed
-        rest = sum(self._whole_model(variable_work(self.model, shape, self.lora)).values())
+        work = variable_work(self.model, shape, self.lora)
+        del work["attn_decode"]
+        rest = sum(self._whole_model(work).values())
         c = self.coefficients
         return fixed + rest + c.iteration_overhead_s + c.per_seq_overhead_s * shape.num_seqs
+
+    def _decode_attention_time(self, decode_kv: int, decodes: int) -> float:
+        if not decodes:
+            return 0.0
+        flops, bytes_ = decode_attention_work(self.model, decode_kv, decodes)
+        return self._op_time("attn_decode", flops, bytes_) * PER_LAYER["attn_decode"] * self.model.num_layers
 
     def iteration_time(self, batch: BatchUnit) -> float:
         """Seconds one forward pass (and its emit stage) over ``batch`` takes."""
@@ -68,33 +88,50 @@ class CostModel:
 
     def shape_flops(self, shape: BatchShape) -> float:
         """Useful FLOPs of one iteration (model FLOP utilisation)."""
-        return self._shape_work(shape, 0)
+        return self.shape_work(shape)[0]
 
     def shape_bytes(self, shape: BatchShape) -> float:
         """Bytes one iteration moves to and from device memory (memory-bandwidth utilisation)."""
-        return self._shape_work(shape, 1)
+        return self.shape_work(shape)[1]
 
-    def _shape_work(self, shape: BatchShape, index: int) -> float:
+    def shape_work(self, shape: BatchShape, steps: int = 1) -> tuple[float, float]:
+        """FLOPs and bytes of one iteration, in one pass over the operators; with ``steps``,
+        of that many decode iterations from ``shape`` (each decode's context one token longer
+        a step: only the decodes' attention grows, linearly, so the sum has a closed form)."""
         if shape.num_seqs == 0:
-            return 0.0
-        cache = self._work_caches[index]
-        fixed = cache.get(shape.tokens)
+            return 0.0, 0.0
+        model = self.model
+        fixed = self._work_cache.get(shape.tokens)
         if fixed is None:
-            fixed = _layer_sum(self.model, token_work(self.model, shape.tokens), index)
-            cache[shape.tokens] = fixed
-        return fixed + _layer_sum(self.model, variable_work(self.model, shape, self.lora), index)
+            work = token_work(model, shape.tokens)
+            fixed = (_layer_sum(model, work, 0), _layer_sum(model, work, 1))
+            self._work_cache[shape.tokens] = fixed
+        work = variable_work(model, shape, self.lora)
+        flops = fixed[0] + _layer_sum(model, work, 0)
+        bytes_ = fixed[1] + _layer_sum(model, work, 1)
+        if steps == 1:
+            return flops, bytes_
+        # sum over k < steps of the attention work of k * decodes more context tokens
+        grown = decode_attention_work(model, shape.decodes * (steps * (steps - 1) // 2), 0)
+        per_model = PER_LAYER["attn_decode"] * model.num_layers
+        return flops * steps + grown[0] * per_model, bytes_ * steps + grown[1] * per_model
 
     def decode_step_times(self, shape: BatchShape, steps: int) -> list[float]:
         """Times of ``steps`` consecutive all-decode iterations starting from ``shape``: each
         step every decode's context grows by one token; nothing else changes."""
-        times = []
-        kv = shape.decode_kv
-        for _ in range(steps):
-            shape.decode_kv = kv
-            times.append(self.shape_time(shape))
-            kv += shape.decodes
-        shape.decode_kv = kv - shape.decodes * steps
-        return times
+        if shape.num_seqs == 0:
+            return [0.0] * steps
+        base = self._base_time(shape)  # does not depend on the decodes' contexts
+        n, kv = shape.decodes, shape.decode_kv
+        if not n:
+            return [base] * steps
+        # _decode_attention_time step by step, in bulk (the same operations: the same floats)
+        model, hw = self.model, self.hardware
+        times = self.coefficients.ops["attn_decode"].times(
+            [decode_attention_work(model, kv + n * k, n) for k in range(steps)],
+            hw.peak_flops, hw.mem_bw)
+        reps, layers = PER_LAYER["attn_decode"], model.num_layers
+        return [base + t * reps * layers for t in times]
 
 
 def _layer_sum(model: ModelSpec, work: dict[str, tuple[float, float]], index: int) -> float:

@@ -71,9 +71,7 @@ def variable_work(model: ModelSpec, shape: BatchShape,
     # causal attention of chunks: QK^T and PV, 2 FLOPs per multiply-add each
     work["attn_prefill"] = (4.0 * model.num_heads * hd * shape.chunk_pairs,
                             b * (2 * kv * shape.chunk_kv + 2 * q * shape.chunk_tokens))
-    # decodes: one query row each, the whole cached K/V streamed in
-    work["attn_decode"] = (4.0 * model.num_heads * hd * shape.decode_kv,
-                           b * (2 * kv * shape.decode_kv + 2 * q * shape.decodes))
+    work["attn_decode"] = decode_attention_work(model, shape.decode_kv, shape.decodes)
     if lora is not None and shape.lora_rows:
         flops = bytes_ = 0.0
         r, rows = lora.rank, shape.lora_rows
@@ -88,6 +86,13 @@ def variable_work(model: ModelSpec, shape: BatchShape,
     work["sampler"] = (5.0 * s * model.vocab_size, 4 * 3 * s * model.vocab_size)
     work["pooler"] = (2.0 * shape.pooled_rows * d, b * shape.pooled_rows * d)
     return work
+
+
+def decode_attention_work(model: ModelSpec, decode_kv: int, decodes: int) -> tuple[float, float]:
+    """Decodes: one query row each, the whole cached K/V streamed in (per layer)."""
+    b = model.dtype_bytes
+    return (4.0 * model.num_heads * model.head_dim * decode_kv,
+            b * (2 * model.kv_width * decode_kv + 2 * model.q_width * decodes))
 
 
 def operator_work(model: ModelSpec, shape: BatchShape,

@@ -47,19 +47,33 @@ class BatchShape:
         elif samples:
             self.sample_rows += 1
 
+    def after_decode_steps(self, steps: int, leaving_kv: list[int]) -> BatchShape:
+        """This all-decode shape ``steps`` iterations later (each context ``steps`` tokens
+        longer), without the decodes that left then; ``leaving_kv`` is what each of those would
+        have read next (its computed tokens + 1)."""
+        n = len(leaving_kv)
+        return BatchShape(tokens=self.tokens - n, num_seqs=self.num_seqs - n,
+                          decodes=self.decodes - n, sample_rows=self.sample_rows - n,
+                          decode_kv=self.decode_kv + self.decodes * steps - sum(leaving_kv))
+
     @classmethod
     def from_batch(cls, batch: BatchUnit, adapter: bool = True) -> BatchShape:
         shape = cls()
         decode = ItemKind.DECODE
-        for it in batch.items:
-            if it.kind is decode:  # the common case, inlined
-                shape.tokens += 1
-                shape.num_seqs += 1
-                shape.decodes += 1
-                shape.decode_kv += it.start + 1
-                shape.sample_rows += 1
-            else:
-                shape.add_item(it.kind, it.num_tokens, it.start, it.samples, adapter)
+        items = batch.items
+        first_decode = len(items)  # items are sorted by kind: decodes come last
+        for i, it in enumerate(items):
+            if it.kind is decode:
+                first_decode = i
+                break
+            shape.add_item(it.kind, it.num_tokens, it.start, it.samples, adapter)
+        n = len(items) - first_decode
+        if n:  # the common case, in bulk
+            shape.tokens += n
+            shape.num_seqs += n
+            shape.decodes += n
+            shape.sample_rows += n
+            shape.decode_kv += sum([it.start for it in items[first_decode:]]) + n
         return shape
 
     @classmethod

@@ -28,7 +28,8 @@ class SchedulerConfig:
     kv_admission: when a generation request may take KV blocks: ``"optimistic"`` (its prompt
         fits; decodes grow later and preempt when the cache is full, as vLLM does) or
         ``"reserve"`` (the expected final length of every running generation, its own included,
-        fits: no preemption while outputs end within ``expected_output_tokens``).
+        fits beside what embeddings hold: no preemption while outputs end within
+        ``expected_output_tokens``; an embedding is admitted by the same test).
     """
 
     token_budget: int = 4096

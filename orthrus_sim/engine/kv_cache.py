@@ -47,13 +47,17 @@ class BlockManager:
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Make the request hold enough blocks for ``num_tokens`` tokens; False if they don't fit."""
-        extra = self.extra_blocks(request_id, num_tokens)
-        if extra > len(self._free):
+        table = self.tables.get(request_id)
+        extra = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        if extra <= 0:
+            return True
+        free = self._free
+        if extra > len(free):
             return False
-        if extra:
-            table = self.tables.setdefault(request_id, [])
-            for _ in range(extra):
-                table.append(self._free.pop())
+        if table is None:
+            table = self.tables[request_id] = []
+        for _ in range(extra):
+            table.append(free.pop())
         return True
 
     def free(self, request_id: str) -> int:

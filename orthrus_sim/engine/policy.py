@@ -30,7 +30,7 @@ import bisect
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from orthrus_sim.engine.batch import BatchUnit, ItemKind
+from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.kv_cache import BlockManager
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
@@ -77,7 +77,7 @@ class Policy(abc.ABC):
     """Base policy: subclasses implement ``fill`` (and set ``serves`` for single-type replicas).
 
     ``decode_runs``: the simulator may advance runs of identical all-decode iterations at once
-    (``steady_decode_steps``). That is exact when ``fill`` depends on the queues and the KV cache
+    (``steady_decode_phases``). That is exact when ``fill`` depends on the queues and the KV cache
     only; a policy whose choices depend on the clock sets it False.
     """
 
@@ -146,6 +146,7 @@ class Policy(abc.ABC):
         left: list[Request] = []
         running = RequestState.RUNNING
         embed_chunk, prefill_chunk = ItemKind.EMBED_CHUNK, ItemKind.PREFILL_CHUNK
+        hands_off = type(self)._hands_off is not Policy._hands_off
         for item in batch.items:
             req = item.request
             if req.state is not running:
@@ -171,10 +172,10 @@ class Policy(abc.ABC):
                 req.num_generated += 1
                 if req.first_token_at is None:
                     req.first_token_at = now
-                if req.num_generated >= req.max_output_tokens or req.request_id in stopped:
+                if req.num_generated >= req.max_output_tokens or (stopped and req.request_id in stopped):
                     self._finish(req, now)
                     left.append(req)
-                elif self._hands_off(req):
+                elif hands_off and self._hands_off(req):
                     self._release(req)
                     req.transition(RequestState.WAITING)
                     left.append(req)
@@ -307,27 +308,33 @@ class Policy(abc.ABC):
         newest, it waits for embeddings' blocks when embeddings hold any, else it preempts itself.
         (This loop runs for every decode of every iteration, hence the inlined arithmetic.)
         """
-        used = 0
-        budget = batch.budget_left + batch.total_tokens  # the reservation stays untouched
+        room = batch.budget_left  # the reservation stays untouched
         block_size = self.blocks.block_size
-        tables = self.blocks.tables
+        tables, grow = self.blocks.tables, self.blocks.grow
         in_batch = self._in_batch
+        running = RequestState.RUNNING
+        decode = ItemKind.DECODE
+        ready: list[BatchItem] = []
         for req in list(self._running):
-            if req.state is not RequestState.RUNNING or not req.num_generated:
-                continue  # preempted earlier in this loop, or still prefilling
-            seq_len = req.input_len + req.num_generated
-            if seq_len - req.num_computed != 1 or req.request_id in in_batch:
+            generated = req.num_generated
+            if not generated or req.state is not running:
+                continue  # still prefilling, or preempted earlier in this loop
+            computed = req.num_computed
+            seq_len = req.input_len + generated
+            if seq_len - computed != 1:
                 continue
-            if batch.total_tokens >= budget:
+            rid = req.request_id
+            if rid in in_batch:
+                continue
+            if len(ready) >= room:
                 break
-            table = tables.get(req.request_id)
-            if table is None or len(table) * block_size < seq_len:
-                if not self._grow_decode(req, seq_len):
-                    continue
-            batch.add(req, ItemKind.DECODE, 1)
-            in_batch.add(req.request_id)
-            used += 1
-        return used
+            if len(tables[rid]) * block_size < seq_len and not (
+                    grow(rid, seq_len) or self._grow_decode(req, seq_len)):
+                continue
+            ready.append(BatchItem(req, decode, computed, 1))
+            in_batch.add(rid)
+        batch.add_decodes(ready)
+        return len(ready)
 
     def _grow_decode(self, req: Request, seq_len: int) -> bool:
         """Blocks for a decode's next token, preempting newer generation requests if needed."""
@@ -361,7 +368,7 @@ class Policy(abc.ABC):
             if self._embed_slots_full():
                 return 0
             need = self.blocks.blocks_for(request.input_len)
-            if not self._kv_allows(need, rid):
+            if not (self._kv_allows(need, rid) and self._reserve_fits(need, rid)):
                 self._hold_back(rid, need)
                 return 0
         if n > batch.budget_for(rid):
@@ -390,7 +397,7 @@ class Policy(abc.ABC):
                 return 0
             if not self._kv_allows(self.blocks.extra_blocks(rid, request.seq_len), rid):
                 return 0
-            if self.config.kv_admission == "reserve" and not self._growth_fits(request):
+            if not self._reserve_fits(self._final_blocks(request), rid):
                 return 0
             self._admit(request, request.seq_len, now)
             self._waiting_gen.remove(request)
@@ -472,11 +479,17 @@ class Policy(abc.ABC):
         final = request.input_len + max(request.expected_output_tokens, request.num_generated + 1)
         return max(self.blocks.held(request.request_id), self.blocks.blocks_for(final))
 
-    def _growth_fits(self, request: Request) -> bool:
-        """``kv_admission: reserve``: the running generations' expected final sizes, this
-        request's, what embeddings hold and what is held back all fit the cache."""
-        projected = sum(self._final_blocks(r) for r in self._running) + self._final_blocks(request)
-        return projected + self.embedding_blocks() + self._held_back <= self.blocks.num_blocks
+    def _reserve_fits(self, blocks: int, request_id: str) -> bool:
+        """``kv_admission: reserve``: the running generations' expected final sizes, what
+        embeddings hold, what is held back for other requests and ``blocks`` more (the
+        newcomer's final size) all fit the cache. Embeddings are admitted by it too: blocks an
+        embedding takes are blocks a running decode may need."""
+        if self.config.kv_admission != "reserve":
+            return True
+        projected = sum(self._final_blocks(r) for r in self._running)
+        held_for_others = self._held_back - self._held_for.get(request_id, 0)
+        return (projected + self.embedding_blocks() + held_for_others + blocks
+                <= self.blocks.num_blocks)
 
     def _hold_back(self, request_id: str, blocks: int) -> None:
         """Set ``blocks`` of the free pool aside for a waiting embedding head for the rest of
@@ -530,33 +543,52 @@ class Policy(abc.ABC):
             _insert_in_order(self._waiting_gen, victim)
 
     # ----- runs of identical decode iterations (a simulator fast path) ----------------------
-    def steady_decode_steps(self, batch: BatchUnit) -> int:
-        """How many iterations, starting with ``batch``, would be the same all-decode batch.
+    def steady_decode_phases(self, batch: BatchUnit) -> list[tuple[int, list[Request]]]:
+        """The phases of a run of decode iterations starting with ``batch``: for each, the step
+        count at which it ends (counted from the run's start) and the requests that finish
+        then; [] when there is no run.
 
-        Nonzero only when ``batch`` holds every request holding blocks and each is a decode,
-        no budget claim is pending, and ``fill`` admitted nothing although requests wait: what
-        kept them out (KV blocks, which decodes only take; the sequence cap; a budget the
-        decodes fill) stays for as long as the decodes run. The run ends at the first step
-        where some request finishes and while the KV cache can grow. Arrivals are the caller's
-        business: it must cut the run at the first iteration boundary after one.
+        A run exists only when ``batch`` holds every request holding blocks and each is a
+        decode, and no budget claim is pending. Within a phase the same decodes run, each one
+        token further a step; a phase ends where some requests finish. If requests wait,
+        ``fill`` admitted none of them: what kept them out (KV blocks, which decodes only
+        take; the sequence cap; a budget the decodes fill) stays while the decodes run but not
+        past a finish, so the run is one phase. If nothing waits, it goes on through the
+        finishes (a finish changes nothing else), to the last request's last token. Either
+        way the KV cache must hold every step's growth (else the run is cut short, and its one
+        phase ends with nobody finishing). Arrivals are the caller's business: it must cut the
+        run at the first iteration boundary after one.
         """
         if not self.decode_runs or self._budget_claim is not None:
-            return 0
-        if len(batch.items) != len(self._running) or len(self._holding) != len(self._running):
-            return 0
+            return []
+        running = self._running
+        if len(batch.items) != len(running) or len(self._holding) != len(running):
+            return []
         if not batch.items or batch.items[0].kind is not ItemKind.DECODE:
-            return 0
-        steps = min(r.max_output_tokens - r.num_generated for r in self._running)
-        if steps < 1:
-            return 0
+            return []
+        remaining = [r.max_output_tokens - r.num_generated for r in running]
+        first = min(remaining)
+        if first < 1:
+            return []
+        nothing_waits = len(self._requests) == len(running)
+        last = max(remaining) if nothing_waits else first
         bs = self.config.block_size
         free = self.blocks.num_free
+        if len(running) * -(-(last - 1) // bs) <= free:
+            # each decode holds its next token's block: k - 1 more need at most this many
+            ends: dict[int, list[Request]] = {}
+            for r, n in zip(running, remaining):
+                if n <= last:
+                    ends.setdefault(n, []).append(r)
+            return sorted(ends.items())
+        tables = self.blocks.tables
+        # tokens held now and blocks' room, per request: step k holds seq_len + k - 1 tokens
+        held = [(r.input_len + r.num_generated, len(tables[r.request_id]) * bs) for r in running]
 
         def extra_blocks(k: int) -> int:
-            # step k computes the token at position seq_len + k - 2, so holds seq_len + k - 1
-            return sum(max(0, -(-(r.seq_len + k - 1) // bs) - len(self.blocks.tables[r.request_id]))
-                       for r in self._running)
+            return sum([-(-(n + k - 1 - room) // bs) for n, room in held if n + k - 1 > room])
 
+        steps = first
         if extra_blocks(steps) > free:
             lo, hi = 1, steps  # largest k whose growth fits
             while lo < hi:
@@ -566,23 +598,36 @@ class Policy(abc.ABC):
                 else:
                     hi = mid - 1
             steps = lo if extra_blocks(lo) <= free else 0
-        return steps
+        if not steps:
+            return []
+        return [(steps, [r for r, n in zip(running, remaining) if n == steps])]
 
-    def complete_decode_run(self, batch: BatchUnit, steps: int, now: float) -> list[Request]:
-        """Apply ``steps`` identical decode iterations at once (``steps`` from
-        ``steady_decode_steps``); ``now`` is the end of the last one."""
+    def complete_decode_run(self, batch: BatchUnit, steps: int, now: float,
+                            finishing: list[Request] | None = None) -> list[Request]:
+        """Apply the first ``steps`` iterations of a decode run starting with ``batch`` at once;
+        ``now`` is the end of the last one.
+
+        With ``finishing`` (the requests a phase of ``steady_decode_phases`` ends with), only
+        those are brought forward, and they finish; the others are applied once, when the run
+        ends, by a call without it, which skips requests that finished already.
+        """
         left: list[Request] = []
-        self.iterations += steps
-        for item in batch.items:
-            req = item.request
-            if req.state is not RequestState.RUNNING:
+        if finishing is None:
+            self.iterations += steps
+        bs = self.blocks.block_size
+        tables = self.blocks.tables
+        running = RequestState.RUNNING
+        grow = self.blocks.grow
+        for req in finishing if finishing is not None else [it.request for it in batch.items]:
+            if req.state is not running:
                 continue
-            if not self.blocks.grow(req.request_id, req.seq_len + steps - 1):
-                raise RuntimeError("decode run outgrew the KV cache: steady_decode_steps was not used")
+            holds = req.input_len + req.num_generated + steps - 1
+            if -(-holds // bs) > len(tables[req.request_id]) and not grow(req.request_id, holds):
+                raise RuntimeError("decode run outgrew the KV cache: steady_decode_phases was not used")
             req.num_computed += steps
             req.num_generated += steps
             req.ready_since = now
-            if req.is_done:
+            if req.num_generated >= req.max_output_tokens:
                 self._finish(req, now)
                 left.append(req)
         return left

@@ -58,7 +58,7 @@ def _count(rid: str, name: str, value: Any, minimum: int, what: str = "") -> int
     return int(value)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One embedding or generation request and its progress.
 

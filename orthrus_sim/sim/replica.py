@@ -10,6 +10,7 @@ is what stepping one iteration at a time gives.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -38,7 +39,9 @@ class ReplicaStats:
         return ReplicaStats(**{k: v - getattr(earlier, k) for k, v in vars(self).items()})
 
 
-RUN_SEGMENT = 128  # decode steps priced at once in a run of identical iterations
+# decode steps priced at once in a run of identical iterations: the first segment is short (an
+# arrival cuts most runs within a few steps), and each next one twice as long, up to the cap
+FIRST_RUN_SEGMENT, MAX_RUN_SEGMENT = 8, 256
 
 
 def _delay_to(now: float, target: float) -> float:
@@ -66,7 +69,8 @@ class Replica:
         self.adapter = getattr(cost, "lora", None) is not None
         self._wake: simpy.Event | None = None
         self._run: tuple | None = None  # a decode run in flight: batch, shape, start, ends
-        self._in_flight: tuple[float, float, float, float] | None = None  # start, end, flops, bytes
+        # the iteration (or run) in flight: start, end, its shape and steps (work priced lazily)
+        self._in_flight: tuple[float, float, BatchShape, int] | None = None
         self.outstanding_work = 0  # tokens routed here and not finished (least-work router)
         self._work: dict[str, int] = {}
         self.process = env.process(self.run())
@@ -92,7 +96,8 @@ class Replica:
         up to now: what monitors and windows read."""
         if self._in_flight is None:
             return replace(self.stats)
-        start, end, flops, bytes_ = self._in_flight
+        start, end, shape, steps = self._in_flight
+        flops, bytes_ = self.cost.shape_work(shape, steps)
         frac = 0.0 if end <= start else min(1.0, (self.env.now - start) / (end - start))
         return replace(self.stats, busy_s=self.stats.busy_s + (self.env.now - start),
                        flops=self.stats.flops + frac * flops, bytes=self.stats.bytes + frac * bytes_)
@@ -120,78 +125,96 @@ class Replica:
                 self._wake = None
                 continue
             shape = BatchShape.from_batch(batch, adapter=self.adapter)
-            steps = policy.steady_decode_steps(batch) if self.fast_forward else 0
-            if steps > 1:
-                yield from self._decode_run(batch, shape, steps)
+            phases = policy.steady_decode_phases(batch) if self.fast_forward else []
+            if phases and phases[-1][0] > 1:
+                yield from self._decode_run(batch, shape, phases)
                 continue
             seconds = cost.shape_time(shape)
-            flops, bytes_ = cost.shape_flops(shape), cost.shape_bytes(shape)
-            self._in_flight = (env.now, env.now + seconds, flops, bytes_)
+            flops, bytes_ = cost.shape_work(shape)
+            self._in_flight = (env.now, env.now + seconds, shape, 1)
             yield env.timeout(seconds)
             self._account(shape, 1, seconds, flops, bytes_)
             self._leave(policy.complete(batch, env.now))
 
-    def _decode_run(self, batch, shape: BatchShape, steps: int):
-        """Advance identical decode iterations; stop after the one in flight when work arrives.
+    def _decode_run(self, batch, shape: BatchShape, phases: list[tuple[int, list[Request]]]):
+        """Advance a run of decode iterations phase by phase (``Policy.steady_decode_phases``);
+        stop after the iteration in flight when work arrives.
 
-        Step times are priced a segment at a time (``RUN_SEGMENT`` steps): an arrival usually
-        cuts a run long before its end, and pricing steps that never run was most of the cost
-        of an open-loop simulation.
+        Requests that finish at the end of a phase leave then, at that simulated time, as
+        stepping would have them; the next phase's shape is this one's without them. The
+        others are brought forward once, when the run ends.
+        """
+        self.stats.decode_runs += 1
+        self._wake = self.env.event()
+        before = 0  # steps of the phases done
+        for end, finishing in phases:
+            steps = end - before
+            done = yield from self._decode_phase(batch, shape, steps, before)
+            self._account_phase(done)
+            before += done
+            if done < steps or self._wake.triggered:
+                break  # work arrived
+            left = self.policy.complete_decode_run(batch, before, self.env.now, finishing)
+            self._leave(left)
+            if self._wake.triggered:
+                break  # a leaving request sent more work
+            shape = shape.after_decode_steps(steps, [r.num_computed + 1 for r in left])
+        self._wake = None
+        self._leave(self.policy.complete_decode_run(batch, before, self.env.now))
+
+    def _decode_phase(self, batch, shape: BatchShape, steps: int, before: int):
+        """Price and wait out up to ``steps`` identical decode iterations (``before`` steps of
+        the run went first); returns how many ran: fewer when ``self._wake`` fires, the one in
+        flight then ending the phase.
+
+        Step times are priced a segment at a time (``FIRST_RUN_SEGMENT`` steps, doubling): an
+        arrival usually cuts a run long before its end, and pricing steps that never run was
+        most of the cost of an open-loop simulation. Each step is priced on its own, so the
+        segments change nothing in the result.
         """
         env = self.env
         start = env.now
         ends: list[float] = []
-        self._run = (batch, shape, start, ends)
-        self._wake = env.event()
+        self._run = (batch, shape, start, ends, before)
         kv0 = shape.decode_kv
         t = start
+        segment = FIRST_RUN_SEGMENT
         while len(ends) < steps:
-            n = min(RUN_SEGMENT, steps - len(ends))
+            n = min(segment, steps - len(ends))
+            segment = min(2 * segment, MAX_RUN_SEGMENT)
             shape.decode_kv = kv0 + shape.decodes * len(ends)
             for dt in self.cost.decode_step_times(shape, n):
                 t += dt
                 ends.append(t)
             shape.decode_kv = kv0
-            self._in_flight = (start, ends[-1], *self._run_work(shape, len(ends)))
+            self._in_flight = (start, ends[-1], shape, len(ends))
             timeout = env.timeout(_delay_to(env.now, ends[-1]))
             yield env.any_of([timeout, self._wake])
             if env.now < ends[-1] or self._wake.triggered:
                 break  # work arrived: finish the iteration in flight, then reschedule
-        self._wake = None
         done = len(ends)
         if env.now < ends[-1]:
-            done = next(i for i, e in enumerate(ends, start=1) if e > env.now)
+            done = bisect_right(ends, env.now) + 1  # the first step ending after now
             if ends[done - 1] > env.now:
                 yield env.timeout(_delay_to(env.now, ends[done - 1]))
-        self._apply_run(done)
+        return done
 
-    def _run_work(self, shape: BatchShape, steps: int) -> tuple[float, float]:
-        """FLOPs and bytes of ``steps`` decode iterations from ``shape`` (work grows linearly
-        with the context, so the mean of the first and last is exact)."""
-        cost = self.cost
-        first = cost.shape_flops(shape), cost.shape_bytes(shape)
-        kv0 = shape.decode_kv
-        shape.decode_kv = kv0 + shape.decodes * (steps - 1)
-        last = cost.shape_flops(shape), cost.shape_bytes(shape)
-        shape.decode_kv = kv0
-        return (first[0] + last[0]) / 2 * steps, (first[1] + last[1]) / 2 * steps
-
-    def _apply_run(self, done: int) -> None:
-        batch, shape, start, ends = self._run
+    def _account_phase(self, done: int) -> None:
+        """Count the first ``done`` iterations of the phase in flight."""
+        _, shape, start, ends, _ = self._run
         self._run = None
-        flops, bytes_ = self._run_work(shape, done)
+        flops, bytes_ = self.cost.shape_work(shape, done)
         self._account(shape, done, ends[done - 1] - start, flops, bytes_)
-        self.stats.decode_runs += 1
-        if done == 1:
-            self._leave(self.policy.complete(batch, ends[0]))
-        else:
-            self._leave(self.policy.complete_decode_run(batch, done, ends[done - 1]))
 
     def flush(self) -> None:
         """At the end of a simulation: apply the iterations of a decode run that ended before
         now, as stepping one at a time would have (an iteration ending exactly now is not)."""
         if self._run is not None:
-            done = sum(1 for e in self._run[3] if e < self.env.now)
+            batch, _, start, ends, before = self._run
+            done = sum(1 for e in ends if e < self.env.now)
             if done:
-                self._apply_run(done)
+                self._account_phase(done)
+            if before + done:  # the earlier phases' steps, and these, for those still running
+                t = ends[done - 1] if done else start
+                self._leave(self.policy.complete_decode_run(batch, before + done, t))
             self._run = None
