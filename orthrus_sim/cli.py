@@ -57,23 +57,36 @@ def run(
 def sweep(
     scenario: str = typer.Argument(..., help=SCENARIO_HELP),
     grid: list[str] = typer.Option(..., "--grid", help="key=v1,v2,... (repeat for a grid)"),
-    out: Path = typer.Option(Path("out/sweep"), "--out"),
+    out: Path = typer.Option(Path("out/sweep"), "--out",
+                             help="results: points/*/results.json and sweep.json; run again "
+                                  "with the same --out to resume"),
     set_: list[str] = typer.Option([], "--set", help="override a field: section.key=value"),
-    workers: int = typer.Option(0, help="parallel processes (0: one per CPU)"),
+    max_parallel: int = typer.Option(0, "--max-parallel", "--workers",
+                                     help="points run at once (0: one per CPU, of the Ray "
+                                          "cluster with --ray)"),
+    ray: str = typer.Option(None, "--ray", help="run the points as Ray tasks: auto (join a "
+                                                "running cluster) or local (start one here)"),
     fmt: str = typer.Option("table", "--format", help="table | csv | json"),
 ) -> None:
-    """Run a parameter grid (all configurations at each point) in parallel."""
+    """Run a parameter grid (all configurations at each point) in parallel, on local
+    processes or a Ray cluster; resumable."""
     from orthrus_sim.experiment.scenario import read_scenario, scenario_path
-    from orthrus_sim.runner import run_sweep
+    from orthrus_sim.sweep import run_sweep
 
+    if ray is not None and ray not in ("auto", "local"):
+        fail(f"--ray must be auto or local, got {ray!r}")
+    if max_parallel < 0:
+        fail(f"--max-parallel must be >= 0, got {max_parallel}")
     try:
         path = scenario_path(scenario)
-        run_sweep(read_scenario(path), set_, grid, out, workers or None, console,
-                  base_dir=path.parent, source=str(path), fmt=_format(fmt))
+        doc = run_sweep(read_scenario(path), set_, grid, out, max_parallel or None, console,
+                        base_dir=path.parent, source=str(path), fmt=_format(fmt), ray=ray)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
+    if doc["failed"]:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -23,7 +23,8 @@ import yaml
 from rich.console import Console
 
 from orthrus_sim.experiment.scenario import parse_scenario
-from orthrus_sim.runner import run_scenario, run_sweep
+from orthrus_sim.runner import run_scenario
+from orthrus_sim.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -61,8 +62,12 @@ def run(name: str, out_name: str, overrides: list[str], quick: bool) -> dict:
 
 def sweep(name: str, out_name: str, grid: list[str], overrides: list[str], quick: bool) -> dict:
     raw = load(name)
-    return run_sweep(raw, _quick(raw, overrides, quick), grid, OUT / out_name, console=console,
-                     base_dir=SCENARIOS, source=name)
+    out = OUT / out_name
+    shutil.rmtree(out / "points", ignore_errors=True)  # a fresh sweep, not a resumed one
+    doc = run_sweep(raw, _quick(raw, overrides, quick), grid, out, console=console,
+                    base_dir=SCENARIOS, source=name)
+    shutil.rmtree(out / "points")  # sweep.json holds every point
+    return doc
 
 
 def run_table(doc: dict, cols: list[tuple[str, callable]]) -> str:
