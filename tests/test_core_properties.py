@@ -90,6 +90,12 @@ def invariant_checker(scheduled_tokens: dict[str, int], first_seen: list):
             assert all(it.kind is kind for it in batch.items[batch.item_slice(kind)])
             assert batch.tokens_of(kind) == (batch.token_slice(kind).stop
                                              - batch.token_slice(kind).start)
+        # we and wg (kept as requests come and go) equal their definition over the queues
+        co = cfg.count_waiting_output
+        we = sum(r.num_uncomputed for r in policy.embeddings())
+        wg = sum(r.waiting_work(co) for r in policy.waiting_generations())
+        wg += sum(r.waiting_work(co) for r in policy.running_generations() if not r.is_decode)
+        assert policy.waiting_work() == (we, wg)
         credits = policy.snapshot().credits
         if credits is not None:  # IBS credits stay within one budget (they used to grow forever)
             assert all(abs(v) <= cfg.token_budget for v in credits.values())

@@ -95,7 +95,12 @@ class Policy(abc.ABC):
         self._running: list[Request] = []  # generation requests holding blocks, admission order
         self._prefilling: list[Request] = []  # those of them with prompt work left
         self._holding: dict[str, Request] = {}  # every request holding blocks, admission order
+        self._embeds_holding: dict[str, Request] = {}  # the embeddings among them
         self._requests: dict[str, Request] = {}  # every live request by id
+        # ``waiting_work`` of the requests holding no blocks, kept as they come and go so that
+        # an iteration's cost does not grow with the queues (it is fixed while one waits)
+        self._queued_work: dict[str, int] = {}
+        self._queued_sum = {EMBEDDING: 0, GENERATION: 0}
         self._added = 0
         self._budget_claim: tuple[str, int] | None = None
         # state of the iteration being filled
@@ -123,6 +128,7 @@ class Policy(abc.ABC):
         self._added += 1
         request.order = (request.arrival_time, self._added)
         _insert_in_order(self._embeddings if request.is_embedding else self._waiting_gen, request)
+        self._queue_work(request)
         return True
 
     def schedule(self, now: float = 0.0) -> BatchUnit:
@@ -237,14 +243,27 @@ class Policy(abc.ABC):
         and of the generation requests that still have prompt work (waiting or prefilling),
         each weighed by ``Request.waiting_work``."""
         count_output = self.config.count_waiting_output
-        we = sum(r.num_uncomputed for r in self._embeddings)
-        wg = sum(r.waiting_work(count_output) for r in self._prefilling)
-        wg += sum(r.waiting_work(count_output) for r in self._waiting_gen)
+        we = self._queued_sum[EMBEDDING]
+        for r in self._embeds_holding.values():
+            we += r.num_uncomputed
+        wg = self._queued_sum[GENERATION]
+        for r in self._prefilling:
+            wg += r.waiting_work(count_output)
         return we, wg
+
+    def _queue_work(self, request: Request) -> None:
+        weight = request.waiting_work(self.config.count_waiting_output)
+        self._queued_work[request.request_id] = weight
+        self._queued_sum[request.kind] += weight
+
+    def _unqueue_work(self, request: Request) -> None:
+        weight = self._queued_work.pop(request.request_id, None)
+        if weight is not None:
+            self._queued_sum[request.kind] -= weight
 
     def snapshot(self) -> PolicySnapshot:
         we, wg = self.waiting_work()
-        running_embed = sum(1 for r in self._holding.values() if r.is_embedding)
+        running_embed = len(self._embeds_holding)
         return PolicySnapshot(
             policy=self.name,
             embeddings_waiting=len(self._embeddings) - running_embed,
@@ -349,7 +368,7 @@ class Policy(abc.ABC):
             if victim is not None:
                 self._preempt(victim)
                 continue
-            if any(r.is_embedding for r in self._holding.values()):
+            if self._embeds_holding:
                 return False  # embeddings give their blocks back within a few iterations
             self._preempt(req)
             return False
@@ -467,7 +486,7 @@ class Policy(abc.ABC):
 
     def _embed_slots_full(self) -> bool:
         cap = self.config.max_num_embeds
-        return cap is not None and sum(r.is_embedding for r in self._holding.values()) >= cap
+        return cap is not None and len(self._embeds_holding) >= cap
 
     def _kv_allows(self, blocks: int, request_id: str) -> bool:
         """Admission test: ``blocks`` fit beside what is held back for other requests."""
@@ -501,7 +520,7 @@ class Policy(abc.ABC):
     def embedding_blocks(self) -> int:
         """KV blocks held by embeddings in flight."""
         held = self.blocks.held
-        return sum(held(r.request_id) for r in self._holding.values() if r.is_embedding)
+        return sum(held(rid) for rid in self._embeds_holding)
 
     def _admit(self, request: Request, num_tokens: int, now: float) -> None:
         if not self.blocks.grow(request.request_id, num_tokens):
@@ -510,17 +529,22 @@ class Policy(abc.ABC):
         if request.admitted_at is None:
             request.admitted_at = now
         self._holding[request.request_id] = request
+        if request.is_embedding:
+            self._embeds_holding[request.request_id] = request
+        self._unqueue_work(request)
 
     def _release(self, request: Request) -> None:
         rid = request.request_id
         self.blocks.free(rid)
-        self._holding.pop(rid, None)
+        held = self._holding.pop(rid, None) is not None
+        self._embeds_holding.pop(rid, None)
         self._requests.pop(rid, None)
+        self._unqueue_work(request)
         if request.is_embedding:
             if request in self._embeddings:
                 self._embeddings.remove(request)
-        else:
-            for queue in (self._running, self._prefilling, self._waiting_gen):
+        else:  # a request holding blocks is among the running, one holding none waits
+            for queue in (self._running, self._prefilling) if held else (self._waiting_gen,):
                 if request in queue:
                     queue.remove(request)
 
@@ -533,8 +557,10 @@ class Policy(abc.ABC):
         """Recompute-preemption: free the victim's blocks and put it back in its queue."""
         self.blocks.free(victim.request_id)
         del self._holding[victim.request_id]
+        self._embeds_holding.pop(victim.request_id, None)
         victim.transition(RequestState.WAITING)
         victim.reset_for_recompute()
+        self._queue_work(victim)
         self.preemptions[victim.kind.value] += 1
         if not victim.is_embedding:
             self._running.remove(victim)
