@@ -50,12 +50,13 @@ def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int,
                                                    max_num_seqs=256),
                          threads=threads, gpu_memory_utilization=gpu_share)
     rng = np.random.default_rng(0)
+    top = min(8000, engine.cfg.vocab_size)  # any model's vocabulary (the tiny one: 512)
     ids = iter(range(10**9))
     started: dict[str, tuple[str, float]] = {}
 
     def submit(kind: str) -> None:
         rid = f"{kind[0]}{next(ids)}"
-        tokens = [int(t) for t in rng.integers(4, 8000, PROMPT if kind == "generation" else EMB_LEN)]
+        tokens = [int(t) for t in rng.integers(4, top, PROMPT if kind == "generation" else EMB_LEN)]
         if kind == "generation":
             engine.add_generation(rid, token_ids=tokens, params=SamplingParams(
                 max_tokens=OUTPUT, temperature=0, ignore_eos=True))

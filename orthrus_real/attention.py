@@ -40,28 +40,39 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None  # (B, 1, 1, L) 0 where a slot is real, -inf on padding
 
 
-def _slots(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(start, end)
-    blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
-    return blocks * block_size + pos % block_size
+def slot_list(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions ``start .. end - 1``, a block's run at a time."""
+    out: list[int] = []
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        n = min(block_size - offset, end - pos)
+        base = table[block] * block_size + offset
+        out.extend(range(base, base + n))
+        pos += n
+    return out
 
 
 def build_metadata(batch: BatchUnit, tables: dict[str, list[int]], block_size: int,
                    device: torch.device) -> AttentionMetadata:
-    slot_parts, pos_parts, chunks = [], [], []
+    """The step's positions, slots and decode contexts as plain integers first, then one
+    tensor copied to the device once and viewed in parts (per request, only Python lists)."""
+    slots: list[int] = []
+    positions: list[int] = []
+    chunk_slots: list[list[int]] = []  # per chunk item with cached context
+    chunks = []
     decode_items = []
     row = 0
     decode_start = None
     for item in batch.items:
-        rid = item.request.request_id
-        table = tables[rid]
-        pos_parts.append(torch.arange(item.start, item.end))
-        slot_parts.append(_slots(table, item.start, item.end, block_size))
+        table = tables[item.request.request_id]
+        positions.extend(range(item.start, item.end))
+        slots.extend(slot_list(table, item.start, item.end, block_size))
         rows = slice(row, row + item.num_tokens)
         if item.kind is ItemKind.DECODE:
             if decode_start is None:
                 decode_start = row
-            decode_items.append((item, table))
+            decode_items.append((item.end, table))
         else:
             n, ctx = item.num_tokens, item.start
             last = chunks[-1] if chunks else None
@@ -71,22 +82,36 @@ def build_metadata(batch: BatchUnit, tables: dict[str, list[int]], block_size: i
             elif ctx == 0:
                 chunks.append(ChunkPlan(rows, n))
             else:
-                mask = torch.ones(n, ctx + n, dtype=torch.bool).tril(diagonal=ctx).to(device)
-                chunks.append(ChunkPlan(rows, n, 1, _slots(table, 0, item.end, block_size).to(device),
-                                        mask))
+                mask = torch.ones(n, ctx + n, dtype=torch.bool, device=device).tril(diagonal=ctx)
+                chunks.append(ChunkPlan(rows, n, 1, None, mask))
+                chunk_slots.append(slot_list(table, 0, item.end, block_size))
         row += item.num_tokens
+    # one host list: slots, positions, each context chunk's slots, the padded decode contexts
+    # and their lengths
+    host = slots + positions
+    for part in chunk_slots:
+        host += part
+    longest = max((end for end, _ in decode_items), default=0)
+    for end, table in decode_items:
+        host += slot_list(table, 0, end, block_size)
+        host += [0] * (longest - end)
+    host += [end for end, _ in decode_items]
+    flat = torch.tensor(host, dtype=torch.long).to(device, non_blocking=True)
+    t = len(slots)
+    at = 2 * t
+    for chunk in (c for c in chunks if c.mask is not None):
+        size = chunk.mask.shape[1]
+        chunk.slots, at = flat[at:at + size], at + size
     decode_slots = decode_bias = None
     if decode_items:
-        longest = max(it.end for it, _ in decode_items)
-        decode_slots = torch.zeros(len(decode_items), longest, dtype=torch.long)
-        decode_bias = torch.full((len(decode_items), 1, 1, longest), float("-inf"))
-        for i, (it, table) in enumerate(decode_items):
-            decode_slots[i, :it.end] = _slots(table, 0, it.end, block_size)
-            decode_bias[i, 0, 0, :it.end] = 0.0
-        decode_slots, decode_bias = decode_slots.to(device), decode_bias.to(device)
+        n = len(decode_items)
+        decode_slots = flat[at:at + n * longest].view(n, longest)
+        lengths = flat[at + n * longest:]
+        real = torch.arange(longest, device=device)[None, :] < lengths[:, None]
+        decode_bias = torch.zeros(real.shape, device=device).masked_fill_(~real, float("-inf"))
+        decode_bias = decode_bias[:, None, None, :]
     return AttentionMetadata(
-        slot_mapping=torch.cat(slot_parts).to(device), positions=torch.cat(pos_parts).to(device),
-        chunks=chunks,
+        slot_mapping=flat[:t], positions=flat[t:2 * t], chunks=chunks,
         decode_rows=slice(decode_start, row) if decode_start is not None else slice(row, row),
         decode_slots=decode_slots, decode_bias=decode_bias,
     )

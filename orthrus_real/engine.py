@@ -47,6 +47,9 @@ class Engine(EngineBase):
             for _ in range(cfg.num_layers)
         ]
 
+    def _seeded_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
     # ----- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = self.now()
@@ -89,7 +92,7 @@ class Engine(EngineBase):
         stopped: set[str] = set()
         if not rows:
             return sampled, stopped
-        logits = self.model.logits(hidden[rows]).cpu()
+        logits = self.model.logits(hidden[rows])  # sampled on the device: one transfer
         states = [it.request.payload for it in items]
         tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
         for item, state, tok in zip(items, states, tokens):

@@ -180,11 +180,13 @@ class EngineBase:
                 f"model's maximum length {limit}")
         req = Request(request_id, RequestKind.GENERATION, self.now(), len(ids),
                       max_output_tokens=params.max_tokens, token_ids=ids)
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator().manual_seed(params.seed)
+        gen = self._seeded_generator(params.seed) if params.seed is not None else None
         req.payload = _State(tokens=list(ids), params=params, generator=gen)
         return self._submit(req, "generation")
+
+    def _seeded_generator(self, seed: int) -> torch.Generator:
+        """The generator of a seeded request (on the device its logits are sampled on)."""
+        return torch.Generator().manual_seed(seed)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._drop(request_id)

@@ -39,21 +39,40 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` (float32, (S, V))."""
-    out = []
-    for row, p, gen in zip(logits, params, generators):
-        if p.temperature == 0:
-            out.append(int(row.argmax()))
-            continue
-        row = row / p.temperature
-        if p.top_k:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, -1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # smallest prefix reaching top_p
-            sorted_p = sorted_p * keep
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
-    return out
+    """One token per row of ``logits`` ((S, V), on any device), sampled where the logits are:
+    the batch's greedy, temperature, top-k and top-p as a few tensor operations, and one
+    transfer of the sampled ids to the host. A seeded row draws from its own generator (on the
+    logits' device), so its tokens do not depend on what it is batched with."""
+    out = logits.argmax(-1)
+    random = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not random:
+        return out.tolist()
+    device = logits.device
+    rows = torch.tensor(random, device=device)
+    chosen = [params[i] for i in random]
+    x = logits[rows].float() / torch.tensor([p.temperature for p in chosen], device=device)[:, None]
+    vocab = x.shape[1]
+    ks = [min(p.top_k, vocab) for p in chosen]
+    if any(ks):
+        kth = torch.topk(x, max(ks), dim=-1).values  # (R, kmax), descending
+        k = torch.tensor([k or 1 for k in ks], device=device)
+        cut = kth.gather(1, (k - 1)[:, None])
+        cut = torch.where(torch.tensor(ks, device=device)[:, None] > 0, cut, float("-inf"))
+        x = x.masked_fill(x < cut, float("-inf"))
+    probs = torch.softmax(x, -1)
+    top_p = [p.top_p for p in chosen]
+    if any(v < 1.0 for v in top_p):
+        sorted_p, idx = probs.sort(-1, descending=True)
+        limit = torch.tensor(top_p, device=device)[:, None]
+        keep = (sorted_p.cumsum(-1) - sorted_p < limit) | (limit >= 1.0)  # smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p * keep)
+    drawn = torch.empty(len(random), dtype=torch.long, device=device)
+    unseeded = [j for j, i in enumerate(random) if generators[i] is None]
+    if unseeded:
+        sel = torch.tensor(unseeded, device=device)
+        drawn[sel] = torch.multinomial(probs[sel], 1).squeeze(1)
+    for j, i in enumerate(random):
+        if generators[i] is not None:
+            drawn[j] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    out[rows] = drawn
+    return out.tolist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -16,6 +17,18 @@ from orthrus_real.model_files import read_adapter, read_config  # noqa: E402
 from orthrus_real.sampling import SamplingParams  # noqa: E402
 from orthrus_sim.engine import POLICIES, Request, RequestKind, SchedulerConfig, pool  # noqa: E402
 
+# The engine tests run on one device: CUDA where this torch has it (or ORTHRUS_TEST_DEVICE),
+# else the CPU; in fp32 on both, with tolerances for each (GPU kernels sum in other orders).
+DEVICE = os.environ.get("ORTHRUS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {"atol": 2e-5, "rtol": 1e-4} if DEVICE == "cpu" else {"atol": 2e-4, "rtol": 2e-3}
+
+
+def engine_on(*args, **kwargs) -> Engine:
+    kwargs.setdefault("device", DEVICE)
+    kwargs.setdefault("dtype", "float32")
+    return Engine(*args, **kwargs)
+
+
 FAMILIES = ("llama", "mistral", "qwen2")
 MIXED_POLICIES = ("ibs", "unified-hetero", "unified-homo")
 
@@ -23,13 +36,14 @@ MIXED_POLICIES = ("ibs", "unified-hetero", "unified-homo")
 def hf_model(path, merge_adapter=False):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
+    model.to(DEVICE)
     if merge_adapter:
         cfg = read_config(path)
         adapter = read_adapter(path / "adapter", cfg.num_layers)
         for (layer, module), (a, b) in adapter.weights.items():
             group = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             lin = getattr(getattr(model.model.layers[layer], group), module)
-            lin.weight.data += (b.float() @ a.float()) * adapter.scaling
+            lin.weight.data += (b.float() @ a.float()).to(DEVICE) * adapter.scaling
     return model
 
 
@@ -54,29 +68,30 @@ def engine_hidden(engine, ids, kind):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(tiny_models, family):
     path = tiny_models[family]
-    engine = Engine(path, scheduler=SchedulerConfig(token_budget=512, chunk_size=512))
+    engine = engine_on(path, scheduler=SchedulerConfig(token_budget=512, chunk_size=512))
     ids = prompt_ids(37)
     ours = engine.model.logits(engine_hidden(engine, ids, RequestKind.GENERATION))
     with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+        ref = hf_model(path)(torch.tensor([ids], device=DEVICE)).logits[0]
+    torch.testing.assert_close(ours, ref, **TOL)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_rows_match_transformers_with_merged_adapter(tiny_models, family):
     path = tiny_models[family]
-    engine = Engine(path, adapter_dir=path / "adapter",
+    engine = engine_on(path, adapter_dir=path / "adapter",
                     scheduler=SchedulerConfig(token_budget=512, chunk_size=512))
     ids = prompt_ids(29, seed=1)
     ours = engine_hidden(engine, ids, RequestKind.EMBEDDING)
     with torch.no_grad():
-        ref = hf_model(path, merge_adapter=True).model(torch.tensor([ids])).last_hidden_state[0]
-        plain = hf_model(path).model(torch.tensor([ids])).last_hidden_state[0]
-    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+        x = torch.tensor([ids], device=DEVICE)
+        ref = hf_model(path, merge_adapter=True).model(x).last_hidden_state[0]
+        plain = hf_model(path).model(x).last_hidden_state[0]
+    torch.testing.assert_close(ours, ref, **TOL)
     assert (ours - plain).abs().max() > 1e-2  # the adapter really changes the output
     # generation rows of the same engine do not get the adapter
     gen = engine_hidden(engine, ids, RequestKind.GENERATION)
-    torch.testing.assert_close(gen, plain, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(gen, plain, **TOL)
 
 
 def greedy(engine, rid, ids, n=12):
@@ -87,12 +102,12 @@ def greedy(engine, rid, ids, n=12):
 def test_greedy_output_independent_of_batching(tiny_models):
     path = tiny_models["llama"]
     target = prompt_ids(40, seed=5)
-    alone = Engine(path)
+    alone = engine_on(path)
     greedy(alone, "t", target)
     expected = alone.run_until_idle()["t"].token_ids
     assert len(expected) == 12
     for policy in MIXED_POLICIES:
-        eng = Engine(path, adapter_dir=path / "adapter", policy=policy,
+        eng = engine_on(path, adapter_dir=path / "adapter", policy=policy,
                      scheduler=SchedulerConfig(token_budget=48, chunk_size=16))
         for i in range(3):
             eng.add_embedding(f"e{i}", token_ids=prompt_ids(30 + 7 * i, seed=10 + i))
@@ -110,28 +125,28 @@ def test_chunked_embeddings_equal_single_pass(tiny_models, head):
     ids = [prompt_ids(n, seed=n) for n in (1, 15, 64, 97)]
     with torch.no_grad():
         ref_model = hf_model(path, merge_adapter=True)
-        refs = [pool(ref_model.model(torch.tensor([x])).last_hidden_state[0].numpy(), head, True)
-                for x in ids]
+        refs = [pool(ref_model.model(torch.tensor([x], device=DEVICE)).last_hidden_state[0].cpu().numpy(),
+                     head, True) for x in ids]
     for chunk in (4, 16, 128):
         for policy in ("ibs", "unified-hetero", "unified-homo"):
-            eng = Engine(path, adapter_dir=path / "adapter", policy=policy,
+            eng = engine_on(path, adapter_dir=path / "adapter", policy=policy,
                          scheduler=SchedulerConfig(token_budget=128, chunk_size=chunk))
             for i, x in enumerate(ids):
                 eng.add_embedding(f"e{i}", token_ids=x, pooling=head, normalize=True)
                 greedy(eng, f"g{i}", prompt_ids(9, seed=i), n=3)
             out = eng.run_until_idle()
             for i, ref in enumerate(refs):
-                np.testing.assert_allclose(out[f"e{i}"].embedding, ref, atol=2e-5, rtol=1e-4,
+                np.testing.assert_allclose(out[f"e{i}"].embedding, ref, **TOL,
                                            err_msg=f"{head} chunk={chunk} {policy}")
 
 
 def test_preemption_recomputes_and_abort_frees_blocks(tiny_models):
     path = tiny_models["mistral"]
-    free = Engine(path)
+    free = engine_on(path)
     for i in range(4):
         greedy(free, f"g{i}", prompt_ids(30, seed=i), n=40)
     expected = {k: v.token_ids for k, v in free.run_until_idle().items()}
-    tight = Engine(path, scheduler=SchedulerConfig(block_size=8, chunk_size=16), kv_cache_tokens=160)
+    tight = engine_on(path, scheduler=SchedulerConfig(block_size=8, chunk_size=16), kv_cache_tokens=160)
     for i in range(4):
         greedy(tight, f"g{i}", prompt_ids(30, seed=i), n=40)
     got = {k: v.token_ids for k, v in tight.run_until_idle().items()}
@@ -149,7 +164,7 @@ def test_preemption_recomputes_and_abort_frees_blocks(tiny_models):
 
 def test_sampling_seed_stop_and_limits(tiny_models):
     path = tiny_models["llama"]
-    eng = Engine(path)
+    eng = engine_on(path)
     params = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, top_p=0.9, seed=7,
                             ignore_eos=True)
     eng.add_generation("a", token_ids=prompt_ids(10), params=params)
@@ -176,7 +191,7 @@ def test_sampling_seed_stop_and_limits(tiny_models):
 
 def test_refusals_name_the_problem(tiny_models, tmp_path):
     path = tiny_models["llama"]
-    eng = Engine(path)
+    eng = engine_on(path)
     with pytest.raises(RequestRejected, match="maximum length"):
         eng.add_embedding("long", token_ids=[5] * 5000)
     with pytest.raises(RequestRejected, match="max_tokens"):
@@ -189,21 +204,21 @@ def test_refusals_name_the_problem(tiny_models, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["BertModel"]}))
     with pytest.raises(ValueError, match="bidirectional"):
-        Engine(bad)
+        engine_on(bad)
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPTJForCausalLM"]}))
     with pytest.raises(ValueError, match="unknown architecture 'GPTJForCausalLM'"):
-        Engine(bad)
+        engine_on(bad)
     (bad / "config.json").write_text(json.dumps(cfg))
     (bad / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="tokenizer.json is missing"):
-        Engine(bad)
+        engine_on(bad)
     with pytest.raises(ValueError, match="does not exist"):
-        Engine(tmp_path / "nowhere")
+        engine_on(tmp_path / "nowhere")
     init_model(bad, "llama", "tiny")  # restore tokenizer and weights
     for f in bad.glob("*.safetensors"):
         f.unlink()
     with pytest.raises(ValueError, match="no \\*.safetensors"):
-        Engine(bad)
+        engine_on(bad)
 
 
 def test_sharded_weights_load_the_same(tmp_path):
@@ -212,7 +227,7 @@ def test_sharded_weights_load_the_same(tmp_path):
     assert (three / "model.safetensors.index.json").exists()
     outs = []
     for path in (one, three):
-        eng = Engine(path)
+        eng = engine_on(path)
         greedy(eng, "g", prompt_ids(12), n=5)
         outs.append(eng.run_until_idle()["g"].token_ids)
     assert outs[0] == outs[1]
@@ -222,7 +237,7 @@ def test_every_policy_name_runs_in_the_engine(tiny_models):
     for name, cls in POLICIES.items():
         if name in ("prefill-only", "decode-only"):
             continue
-        eng = Engine(tiny_models["llama"], policy=name)
+        eng = engine_on(tiny_models["llama"], policy=name)
         if RequestKind.EMBEDDING in cls.serves:
             eng.add_embedding("e", token_ids=prompt_ids(20))
         if RequestKind.GENERATION in cls.serves:
