@@ -56,8 +56,10 @@ class BlockManager:
             return False
         if table is None:
             table = self.tables[request_id] = []
-        for _ in range(extra):
-            table.append(free.pop())
+        taken = free[-extra:]  # the blocks pop() would give, in that order
+        taken.reverse()
+        table.extend(taken)
+        del free[-extra:]
         return True
 
     def free(self, request_id: str) -> int:

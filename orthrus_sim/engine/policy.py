@@ -331,9 +331,14 @@ class Policy(abc.ABC):
         block_size = self.blocks.block_size
         tables, grow = self.blocks.tables, self.blocks.grow
         in_batch = self._in_batch
+        check_batch = bool(in_batch)  # usually empty: decodes are scheduled first
+        mark = in_batch.add
         running = RequestState.RUNNING
         decode = ItemKind.DECODE
+        item = BatchItem
         ready: list[BatchItem] = []
+        append = ready.append
+        n = 0
         for req in list(self._running):
             generated = req.num_generated
             if not generated or req.state is not running:
@@ -343,17 +348,18 @@ class Policy(abc.ABC):
             if seq_len - computed != 1:
                 continue
             rid = req.request_id
-            if rid in in_batch:
+            if check_batch and rid in in_batch:
                 continue
-            if len(ready) >= room:
+            if n >= room:
                 break
             if len(tables[rid]) * block_size < seq_len and not (
                     grow(rid, seq_len) or self._grow_decode(req, seq_len)):
                 continue
-            ready.append(BatchItem(req, decode, computed, 1))
-            in_batch.add(rid)
+            append(item(req, decode, computed, 1))
+            mark(rid)
+            n += 1
         batch.add_decodes(ready)
-        return len(ready)
+        return n
 
     def _grow_decode(self, req: Request, seq_len: int) -> bool:
         """Blocks for a decode's next token, preempting newer generation requests if needed."""
