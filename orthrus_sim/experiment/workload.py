@@ -332,11 +332,7 @@ class Workload:
             phase = self._start_unit(until)
             if phase is False:
                 return
-            if pool.kind == "workflow":
-                wf_rng = np.random.default_rng([self.seed, 4, mix(*map(ord, tag)), n])
-                yield Spawn(f"{name}w{n}", self._workflow(wf_rng, f"{name}w{n}", 0, phase))
-            else:
-                yield from self._unit(pool, rng, name, n, phase, intended=t)
+            yield from self._pool_unit(pool, tag, name, rng, n, phase, intended=t)
 
     def _burst(self, pool: Pool, tag: str, start: float, until: float | None) -> Client:
         name = f"p{tag}b"
@@ -347,11 +343,17 @@ class Workload:
             phase = self._start_unit(until)
             if phase is False:
                 return
-            if pool.kind == "workflow":
-                wf_rng = np.random.default_rng([self.seed, 4, mix(*map(ord, tag)), n])
-                yield Spawn(f"{name}w{n}", self._workflow(wf_rng, f"{name}w{n}", 0, phase))
-            else:
-                yield from self._unit(pool, rng, name, n, phase, intended=start)
+            yield from self._pool_unit(pool, tag, name, rng, n, phase, intended=start)
+
+    def _pool_unit(self, pool: Pool, tag: str, name: str, rng, n: int, phase,
+                   intended: float) -> Client:
+        """Unit ``n`` of an open-loop or burst pool: a workflow (spawned, so that it runs beside
+        the pool) or one request."""
+        if pool.kind == "workflow":
+            wf_rng = np.random.default_rng([self.seed, 4, mix(*map(ord, tag)), n])
+            yield Spawn(f"{name}w{n}", self._workflow(wf_rng, f"{name}w{n}", 0, phase))
+        else:
+            yield from self._unit(pool, rng, name, n, phase, intended=intended)
 
     def _trace(self) -> Client:
         for n, row in enumerate(load_trace(self.workload.trace)):
