@@ -76,8 +76,8 @@ def build_metadata(batch: BatchUnit, tables: dict[str, list[int]], block_size: i
         else:
             n, ctx = item.num_tokens, item.start
             last = chunks[-1] if chunks else None
-            if ctx == 0 and last is not None and last.slots is None and last.n == n \
-                    and last.rows.stop == row:
+            if ctx == 0 and last is not None and last.mask is None and last.n == n \
+                    and last.rows.stop == row:  # fresh chunks (no mask) of equal length
                 last.rows, last.count = slice(last.rows.start, row + n), last.count + 1
             elif ctx == 0:
                 chunks.append(ChunkPlan(rows, n))

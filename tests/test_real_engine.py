@@ -243,3 +243,23 @@ def test_every_policy_name_runs_in_the_engine(tiny_models):
         if RequestKind.GENERATION in cls.serves:
             greedy(eng, "g", prompt_ids(20), n=3)
         assert all(o.finished for o in eng.run_until_idle().values())
+
+
+
+def test_a_fresh_chunk_after_a_chunk_with_context_is_attended_on_its_own():
+    # a's second chunk (16 tokens, 16 cached) and b's first (16 fresh tokens) side by side: only
+    # fresh chunks of equal length may share one attention call
+    from orthrus_real.attention import build_metadata
+    from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
+
+    a = Request("a", RequestKind.EMBEDDING, 0.0, 48)
+    b = Request("b", RequestKind.EMBEDDING, 0.0, 16)
+    c = Request("c", RequestKind.EMBEDDING, 0.0, 16)
+    batch = BatchUnit(64)
+    batch.items = [BatchItem(a, ItemKind.EMBED_CHUNK, 16, 16), BatchItem(b, ItemKind.EMBED_CHUNK, 0, 16),
+                   BatchItem(c, ItemKind.EMBED_CHUNK, 0, 16)]
+    meta = build_metadata(batch, {"a": [0, 1, 2], "b": [3], "c": [4]}, 16, torch.device(DEVICE))
+    plans = [(p.rows, p.count, p.slots is not None) for p in meta.chunks]
+    assert plans == [(slice(0, 16), 1, True), (slice(16, 48), 2, False)]
+    assert meta.chunks[0].slots.tolist() == list(range(32))
+    assert meta.slot_mapping.tolist() == list(range(16, 32)) + list(range(48, 80))
