@@ -45,7 +45,7 @@ def _run_in_worker(args) -> RunResult:
     return run_task(task, progress)
 
 
-def _ignore_sigint() -> None:
+def ignore_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent reports Ctrl-C once
@@ -68,7 +68,7 @@ def run_tasks(tasks: list[Task], workers: int | None = None,
             return results
         ctx = mp.get_context("spawn")
         with ctx.Manager() as manager, ProcessPoolExecutor(
-                workers, mp_context=ctx, initializer=_ignore_sigint) as pool:
+                workers, mp_context=ctx, initializer=ignore_sigint) as pool:
             q = manager.Queue()
             futures = [pool.submit(_run_in_worker, (t, q)) for t in tasks]
             try:

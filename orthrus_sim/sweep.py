@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orthrus_sim.experiment.results import format_rows, results_doc, write_json
 from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump, split_gpus
-from orthrus_sim.sim.run import simulate
+from orthrus_sim.runner import Task, ignore_sigint, run_task
 
 BACKENDS = ("local", "ray")
 
@@ -85,10 +85,8 @@ def plan_sweep(raw: dict, overrides: list[str], grid: list[str], base_dir: Path 
 
 def run_point(point: Point) -> dict:
     """Simulate every configuration of a point, in order: its results.json document."""
-    scenario = parse_scenario(point.scenario, point.name)
-    runs = [{"configuration": cfg,
-             "metrics": simulate(scenario, cfg, keep_rows=False).metrics}
-            for cfg in scenario.configurations]
+    runs = [{"configuration": cfg, "metrics": run_task(Task(point.scenario, cfg, point.name)).metrics}
+            for cfg in point.scenario["configurations"]]
     return {**results_doc(point.scenario, runs), "overrides": point.overrides,
             "skipped": point.skipped}
 
@@ -100,12 +98,6 @@ def _error_text(exc: BaseException) -> str:
 
 
 # ----- backends: each yields outcomes as points finish -----------------------------------------
-def _ignore_sigint() -> None:
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent reports Ctrl-C once
-
-
 def run_local(points: list[Point], max_parallel: int) -> Iterator[PointOutcome]:
     """Worker processes (or this one, for a bound of 1), at most ``max_parallel`` at a time."""
     if max_parallel == 1:
@@ -118,7 +110,7 @@ def run_local(points: list[Point], max_parallel: int) -> Iterator[PointOutcome]:
     import multiprocessing as mp
 
     with ProcessPoolExecutor(max_parallel, mp_context=mp.get_context("spawn"),
-                             initializer=_ignore_sigint) as pool:
+                             initializer=ignore_sigint) as pool:
         futures = {pool.submit(run_point, p): p for p in points}
         try:
             while futures:

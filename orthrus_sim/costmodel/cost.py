@@ -86,14 +86,6 @@ class CostModel:
         """Seconds one forward pass (and its emit stage) over ``batch`` takes."""
         return self.shape_time(BatchShape.from_batch(batch, adapter=self.lora is not None))
 
-    def shape_flops(self, shape: BatchShape) -> float:
-        """Useful FLOPs of one iteration (model FLOP utilisation)."""
-        return self.shape_work(shape)[0]
-
-    def shape_bytes(self, shape: BatchShape) -> float:
-        """Bytes one iteration moves to and from device memory (memory-bandwidth utilisation)."""
-        return self.shape_work(shape)[1]
-
     def shape_work(self, shape: BatchShape, steps: int = 1) -> tuple[float, float]:
         """FLOPs and bytes of one iteration, in one pass over the operators; with ``steps``,
         of that many decode iterations from ``shape`` (each decode's context one token longer
