@@ -30,7 +30,17 @@ class OpCoeffs:
         """``time`` of each (FLOPs, bytes) pair: the same floats, without a call per pair."""
         compute, memory = peak * self.compute_eff, bw * self.memory_eff
         p, overhead = self.sharpness, self.overhead_s
-        return [_roofline(f / compute, b / memory, p, overhead) for f, b in work]
+        root = 1.0 / p
+        out = []
+        append = out.append
+        for f, b in work:  # _roofline, inlined: a decode run prices every step with it
+            c, m = f / compute, b / memory
+            if c <= 0.0 or m <= 0.0:
+                append(_roofline(c, m, p, overhead))
+                continue
+            hi = c if c >= m else m
+            append(hi * ((c / hi) ** p + (m / hi) ** p) ** root + overhead)
+        return out
 
 
 def _roofline(c: float, m: float, p: float, overhead: float) -> float:

@@ -90,9 +90,21 @@ def variable_work(model: ModelSpec, shape: BatchShape,
 
 def decode_attention_work(model: ModelSpec, decode_kv: int, decodes: int) -> tuple[float, float]:
     """Decodes: one query row each, the whole cached K/V streamed in (per layer)."""
-    b = model.dtype_bytes
-    return (4.0 * model.num_heads * model.head_dim * decode_kv,
-            b * (2 * model.kv_width * decode_kv + 2 * model.q_width * decodes))
+    return decode_attention_work_at(decode_attention_rates(model), decode_kv, decodes)
+
+
+def decode_attention_work_at(rates: tuple[float, int, int, int], decode_kv: int,
+                             decodes: int) -> tuple[float, float]:
+    """``decode_attention_work`` from the model's ``decode_attention_rates``."""
+    flops_per_kv, b, kv_row, q_row = rates
+    return flops_per_kv * decode_kv, b * (kv_row * decode_kv + q_row * decodes)
+
+
+def decode_attention_rates(model: ModelSpec) -> tuple[float, int, int, int]:
+    """``decode_attention_work``'s factors: FLOPs per cached row, bytes per element, elements
+    per cached row (K and V) and per decode (its query and output); a decode run prices many
+    steps with them without a call per step."""
+    return 4.0 * model.num_heads * model.head_dim, model.dtype_bytes, 2 * model.kv_width, 2 * model.q_width
 
 
 def operator_work(model: ModelSpec, shape: BatchShape,

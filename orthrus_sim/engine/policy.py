@@ -151,7 +151,7 @@ class Policy(abc.ABC):
         self.iterations += 1
         left: list[Request] = []
         running = RequestState.RUNNING
-        embed_chunk, prefill_chunk = ItemKind.EMBED_CHUNK, ItemKind.PREFILL_CHUNK
+        embed_chunk, decode = ItemKind.EMBED_CHUNK, ItemKind.DECODE
         hands_off = type(self)._hands_off is not Policy._hands_off
         for item in batch.items:
             req = item.request
@@ -160,31 +160,28 @@ class Policy(abc.ABC):
             req.num_computed += item.num_tokens
             req.ready_since = now
             kind = item.kind
-            if kind is embed_chunk:
+            if kind is not decode:  # a chunk (a decode is one token whose next one is sampled)
                 req.chunks_done += 1
                 if req.first_chunk_at is None:
                     req.first_chunk_at = now
-                if req.num_computed >= req.input_len:
-                    self._finish(req, now)
-                    left.append(req)
-                continue
-            if kind is prefill_chunk:
-                req.chunks_done += 1
-                if req.first_chunk_at is None:
-                    req.first_chunk_at = now
-            if req.num_computed == req.input_len + req.num_generated:
-                if kind is prefill_chunk:
-                    self._prefilling.remove(req)  # prompt (or recompute) done: it decodes now
-                req.num_generated += 1
-                if req.first_token_at is None:
-                    req.first_token_at = now
-                if req.num_generated >= req.max_output_tokens or (stopped and req.request_id in stopped):
-                    self._finish(req, now)
-                    left.append(req)
-                elif hands_off and self._hands_off(req):
-                    self._release(req)
-                    req.transition(RequestState.WAITING)
-                    left.append(req)
+                if kind is embed_chunk:
+                    if req.num_computed >= req.input_len:
+                        self._finish(req, now)
+                        left.append(req)
+                    continue
+                if req.num_computed != req.input_len + req.num_generated:
+                    continue  # more of the prompt to go
+                self._prefilling.remove(req)  # prompt (or recompute) done: it decodes now
+            generated = req.num_generated = req.num_generated + 1
+            if req.first_token_at is None:
+                req.first_token_at = now
+            if generated >= req.max_output_tokens or (stopped and req.request_id in stopped):
+                self._finish(req, now)
+                left.append(req)
+            elif hands_off and self._hands_off(req):
+                self._release(req)
+                req.transition(RequestState.WAITING)
+                left.append(req)
         return left
 
     def abort(self, request_id: str, now: float = 0.0) -> Request | None:
