@@ -133,21 +133,32 @@ class RequestLog:
         self._row(req, phase)
 
     def _row(self, req: Request, phase: int | None) -> None:
+        slot = self._sample_slot()
+        if self._rows is None and slot is None:
+            return  # nobody reads this row: not even built
         row = request_row(req)
         if self.phases:
             row["phase"] = phase
         if self._rows is not None:
             self._rows(row)
-        if self._sample_cap is None:
+        if slot == len(self.sample):
             self.sample.append(row)
-        else:  # reservoir sampling: every row kept with the same probability
-            self._row_count += 1
-            if len(self.sample) < self._sample_cap:
-                self.sample.append(row)
-            else:
-                j = int(self._rng.integers(self._row_count))
-                if j < self._sample_cap:
-                    self.sample[j] = row
+        elif slot is not None:
+            self.sample[slot] = row
+
+    def _sample_slot(self) -> int | None:
+        """Where the next row goes in ``sample`` (a uniform reservoir: every row kept with the
+        same probability), or None when it is not kept."""
+        cap = self._sample_cap
+        if cap is None:
+            return len(self.sample)
+        if cap == 0:
+            return None
+        self._row_count += 1
+        if len(self.sample) < cap:
+            return len(self.sample)
+        j = int(self._rng.integers(self._row_count))
+        return j if j < cap else None
 
     def close(self, end: float, workflows: Sequence = ()) -> dict:
         """The metrics over ``[start, end]``; what is still in flight counts as unfinished

@@ -63,19 +63,21 @@ class SimDriver:
         """The cluster's callback: ``request`` finished or was rejected."""
         self.outstanding -= 1
         self.log.ended(request)
-        request.payload.succeed(request)
+        if request.payload is not None:  # a client waits for it
+            request.payload.succeed(request)
         self._check_done()
 
     def _check_done(self) -> None:
         if self._running == 0 and self.outstanding == 0 and not self.all_done.triggered:
             self.all_done.succeed()
 
-    def _send(self, send: Send) -> simpy.Event:
+    def _send(self, send: Send) -> simpy.Event | None:
+        """Submit the request; the event its client waits on (None when it does not wait)."""
         spec = send.spec
         req = Request(spec.request_id, spec.kind, self.env.now, spec.input_len,
                       max_output_tokens=spec.max_output_tokens,
                       pooling=self.scenario.embedding.pooling)
-        req.payload = self.env.event()
+        req.payload = self.env.event() if send.wait else None
         self.log.sent(req, spec.phase)
         self.outstanding += 1
         self._submit(req)
@@ -93,7 +95,7 @@ class SimDriver:
                 value = None
                 if isinstance(action, Send):
                     done = self._send(action)
-                    if action.wait:
+                    if done is not None:
                         value = outcome_of((yield done))
                 elif isinstance(action, Wait):
                     yield env.timeout(action.seconds)

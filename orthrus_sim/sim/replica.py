@@ -55,6 +55,14 @@ def _delay_to(now: float, target: float) -> float:
     return delay
 
 
+def _fire(event: simpy.Event) -> Callable[[simpy.Event], None]:
+    """A callback that triggers ``event`` unless something else did first."""
+    def fire(_: simpy.Event) -> None:
+        if not event.triggered:
+            event.succeed()
+    return fire
+
+
 class Replica:
     def __init__(self, env: simpy.Environment, index: int, role: str, policy: Policy, cost,
                  on_leave: Callable[[Request, Replica], None], fast_forward: bool = True) -> None:
@@ -67,7 +75,8 @@ class Replica:
         self.fast_forward = fast_forward
         self.stats = ReplicaStats()
         self.adapter = getattr(cost, "lora", None) is not None
-        self._wake: simpy.Event | None = None
+        self._wake: simpy.Event | None = None  # what the replica waits on: work, or a run's segment
+        self._arrived = False  # work arrived during the decode run in flight
         self._run: tuple | None = None  # a decode run in flight: batch, shape, start, ends
         # the iteration (or run) in flight: start, end, its shape and steps (work priced lazily)
         self._in_flight: tuple[float, float, BatchShape, int] | None = None
@@ -83,6 +92,7 @@ class Replica:
         work = request.remaining_work(True)
         self._work[request.request_id] = work
         self.outstanding_work += work
+        self._arrived = True
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
@@ -145,26 +155,25 @@ class Replica:
         others are brought forward once, when the run ends.
         """
         self.stats.decode_runs += 1
-        self._wake = self.env.event()
+        self._arrived = False
         before = 0  # steps of the phases done
         for end, finishing in phases:
             steps = end - before
             done = yield from self._decode_phase(batch, shape, steps, before)
             self._account_phase(done)
             before += done
-            if done < steps or self._wake.triggered:
+            if done < steps or self._arrived:
                 break  # work arrived
             left = self.policy.complete_decode_run(batch, before, self.env.now, finishing)
             self._leave(left)
-            if self._wake.triggered:
+            if self._arrived:
                 break  # a leaving request sent more work
             shape = shape.after_decode_steps(steps, [r.num_computed + 1 for r in left])
-        self._wake = None
         self._leave(self.policy.complete_decode_run(batch, before, self.env.now))
 
     def _decode_phase(self, batch, shape: BatchShape, steps: int, before: int):
         """Price and wait out up to ``steps`` identical decode iterations (``before`` steps of
-        the run went first); returns how many ran: fewer when ``self._wake`` fires, the one in
+        the run went first); returns how many ran: fewer when work arrives, the iteration in
         flight then ending the phase.
 
         Step times are priced a segment at a time (``FIRST_RUN_SEGMENT`` steps, doubling): an
@@ -188,9 +197,12 @@ class Replica:
                 ends.append(t)
             shape.decode_kv = kv0
             self._in_flight = (start, ends[-1], shape, len(ends))
-            timeout = env.timeout(_delay_to(env.now, ends[-1]))
-            yield env.any_of([timeout, self._wake])
-            if env.now < ends[-1] or self._wake.triggered:
+            # one event for "the segment ended" and "work arrived" (``submit`` fires it first)
+            wake = self._wake = env.event()
+            env.timeout(_delay_to(env.now, ends[-1])).callbacks.append(_fire(wake))
+            yield wake
+            self._wake = None
+            if env.now < ends[-1] or self._arrived:
                 break  # work arrived: finish the iteration in flight, then reschedule
         done = len(ends)
         if env.now < ends[-1]:
