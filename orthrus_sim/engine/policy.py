@@ -650,13 +650,14 @@ class Policy(abc.ABC):
         for req in finishing if finishing is not None else [it.request for it in batch.items]:
             if req.state is not running:
                 continue
-            holds = req.input_len + req.num_generated + steps - 1
-            if -(-holds // bs) > len(tables[req.request_id]) and not grow(req.request_id, holds):
+            generated = req.num_generated
+            holds = req.input_len + generated + steps - 1
+            if holds > len(tables[req.request_id]) * bs and not grow(req.request_id, holds):
                 raise RuntimeError("decode run outgrew the KV cache: steady_decode_phases was not used")
             req.num_computed += steps
-            req.num_generated += steps
+            req.num_generated = generated = generated + steps
             req.ready_since = now
-            if req.num_generated >= req.max_output_tokens:
+            if generated >= req.max_output_tokens:
                 self._finish(req, now)
                 left.append(req)
         return left
