@@ -9,6 +9,7 @@ from orthrus_sim.costmodel.operators import (
     PER_LAYER,
     decode_attention_rates,
     decode_attention_work_at,
+    decode_attention_work_steps,
     operator_work,
     token_work,
     variable_work,
@@ -33,10 +34,10 @@ class CostModel:
         self.model = model
         self.coefficients = coefficients or Coefficients()
         self.lora = lora
-        self._token_cache: dict[int, float] = {}
-        self._work_cache: dict[int, tuple[float, float]] = {}
-        self._base_cache: dict[tuple, float] = {}
-        self._base_work_cache: dict[tuple, tuple[float, float]] = {}
+        # seconds, FLOPs and bytes: of the operators that depend only on the token count (by
+        # that count), and of everything but the decodes' attention (by ``_base_key``)
+        self._token_cache: dict[int, tuple[float, float, float]] = {}
+        self._base_cache: dict[tuple, tuple[float, float, float]] = {}
         self._attention_rates = decode_attention_rates(model)
 
     def _op_time(self, name: str, flops: float, bytes_: float) -> float:
@@ -63,28 +64,36 @@ class CostModel:
         return out
 
     def shape_time(self, shape: BatchShape) -> float:
-        """Seconds of one iteration: everything but the decodes' attention (``_base_time``),
+        """Seconds of one iteration: everything but the decodes' attention (``_base``),
         plus that attention; a decode run (``decode_step_times``) prices its steps with the
         very same two terms, so stepping and runs give identical floats."""
         if shape.num_seqs == 0:
             return 0.0
-        return self._base_time(shape) + self._decode_attention_time(shape.decode_kv, shape.decodes)
+        return self._base(shape)[0] + self._decode_attention_time(shape.decode_kv, shape.decodes)
 
-    def _base_time(self, shape: BatchShape) -> float:
+    def _base(self, shape: BatchShape) -> tuple[float, float, float]:
+        """Seconds, FLOPs and bytes of everything in one iteration but the decodes' attention
+        (a shape's time and work are asked for together: one lookup, one pass on a miss)."""
         key = _base_key(shape)
         cached = self._base_cache.get(key)
         if cached is not None:
             return cached
+        model = self.model
         fixed = self._token_cache.get(shape.tokens)
         if fixed is None:
-            fixed = sum(self._whole_model(token_work(self.model, shape.tokens)).values())
+            work = token_work(model, shape.tokens)
+            fixed = (sum(self._whole_model(work).values()), _layer_sum(model, work, 0),
+                     _layer_sum(model, work, 1))
             self._token_cache[shape.tokens] = fixed
-        work = variable_work(self.model, shape, self.lora)
+        work = variable_work(model, shape, self.lora)
         del work["attn_decode"]
-        rest = sum(self._whole_model(work).values())
         c = self.coefficients
-        base = fixed + rest + c.iteration_overhead_s + c.per_seq_overhead_s * shape.num_seqs
-        _bounded_put(self._base_cache, key, base)
+        seconds = (fixed[0] + sum(self._whole_model(work).values()) + c.iteration_overhead_s
+                   + c.per_seq_overhead_s * shape.num_seqs)
+        base = (seconds, fixed[1] + _layer_sum(model, work, 0), fixed[2] + _layer_sum(model, work, 1))
+        if len(self._base_cache) >= BASE_CACHE_SIZE:
+            self._base_cache.clear()  # memory stays bounded
+        self._base_cache[key] = base
         return base
 
     def _decode_attention_time(self, decode_kv: int, decodes: int) -> float:
@@ -103,23 +112,11 @@ class CostModel:
         a step: only the decodes' attention grows, linearly, so the sum has a closed form)."""
         if shape.num_seqs == 0:
             return 0.0, 0.0
-        model = self.model
-        key = _base_key(shape)
-        base = self._base_work_cache.get(key)
-        if base is None:  # everything but the decodes' attention, as _base_time
-            fixed = self._work_cache.get(shape.tokens)
-            if fixed is None:
-                work = token_work(model, shape.tokens)
-                fixed = (_layer_sum(model, work, 0), _layer_sum(model, work, 1))
-                self._work_cache[shape.tokens] = fixed
-            work = variable_work(model, shape, self.lora)
-            del work["attn_decode"]
-            base = (fixed[0] + _layer_sum(model, work, 0), fixed[1] + _layer_sum(model, work, 1))
-            _bounded_put(self._base_work_cache, key, base)
-        per_model = PER_LAYER["attn_decode"] * model.num_layers
+        _, base_flops, base_bytes = self._base(shape)
+        per_model = PER_LAYER["attn_decode"] * self.model.num_layers
         attn = decode_attention_work_at(self._attention_rates, shape.decode_kv, shape.decodes)
-        flops = base[0] + attn[0] * per_model
-        bytes_ = base[1] + attn[1] * per_model
+        flops = base_flops + attn[0] * per_model
+        bytes_ = base_bytes + attn[1] * per_model
         if steps == 1:
             return flops, bytes_
         # sum over k < steps of the attention work of k * decodes more context tokens
@@ -132,18 +129,16 @@ class CostModel:
         step every decode's context grows by one token; nothing else changes."""
         if shape.num_seqs == 0:
             return [0.0] * steps
-        base = self._base_time(shape)  # does not depend on the decodes' contexts
+        base = self._base(shape)[0]  # does not depend on the decodes' contexts
         n, kv = shape.decodes, shape.decode_kv
         if not n:
             return [base] * steps
         # _decode_attention_time step by step, in bulk (the same operations: the same floats)
-        model, hw = self.model, self.hardware
-        flops_per_kv, b, kv_row, q_row = self._attention_rates
-        q_elems = q_row * n
+        hw = self.hardware
         times = self.coefficients.ops["attn_decode"].times(
-            [(flops_per_kv * rows, b * (kv_row * rows + q_elems))
-             for rows in range(kv, kv + n * steps, n)], hw.peak_flops, hw.mem_bw)
-        reps, layers = PER_LAYER["attn_decode"], model.num_layers
+            decode_attention_work_steps(self._attention_rates, kv, n, steps),
+            hw.peak_flops, hw.mem_bw)
+        reps, layers = PER_LAYER["attn_decode"], self.model.num_layers
         return [base + t * reps * layers for t in times]
 
 
@@ -156,12 +151,6 @@ def _base_key(shape: BatchShape) -> tuple:
     attention depends on."""
     return (shape.tokens, shape.num_seqs, shape.decodes, shape.chunk_tokens, shape.chunk_pairs,
             shape.chunk_kv, shape.lora_rows, shape.sample_rows, shape.pooled_rows)
-
-
-def _bounded_put(cache: dict, key, value) -> None:
-    if len(cache) >= BASE_CACHE_SIZE:
-        cache.clear()
-    cache[key] = value
 
 
 def _layer_sum(model: ModelSpec, work: dict[str, tuple[float, float]], index: int) -> float:

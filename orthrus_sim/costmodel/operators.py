@@ -100,6 +100,16 @@ def decode_attention_work_at(rates: tuple[float, int, int, int], decode_kv: int,
     return flops_per_kv * decode_kv, b * (kv_row * decode_kv + q_row * decodes)
 
 
+def decode_attention_work_steps(rates: tuple[float, int, int, int], decode_kv: int, decodes: int,
+                                steps: int) -> list[tuple[float, float]]:
+    """``decode_attention_work_at`` of ``steps`` consecutive decode iterations, each decode's
+    context one token longer a step (the same arithmetic, without a call per step)."""
+    flops_per_kv, b, kv_row, q_row = rates
+    q_elems = q_row * decodes
+    return [(flops_per_kv * rows, b * (kv_row * rows + q_elems))
+            for rows in range(decode_kv, decode_kv + decodes * steps, decodes)]
+
+
 def decode_attention_rates(model: ModelSpec) -> tuple[float, int, int, int]:
     """``decode_attention_work``'s factors: FLOPs per cached row, bytes per element, elements
     per cached row (K and V) and per decode (its query and output); a decode run prices many
