@@ -15,6 +15,7 @@ from orthrus_sim.engine.baselines import (
 from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.ibs import Credits, IBSPolicy
+from orthrus_sim.engine.iteration_target import IterationTarget, IterationTimePredictor
 from orthrus_sim.engine.kv_cache import BlockManager
 from orthrus_sim.engine.policy import Policy, PolicySnapshot
 from orthrus_sim.engine.pooler import IncrementalPooler, l2_normalize, pool
@@ -24,7 +25,8 @@ from orthrus_sim.engine.request import POOLING_HEADS, Request, RequestKind, Requ
 __all__ = [
     "POLICIES", "POOLING_HEADS", "BatchItem", "BatchUnit", "BlockManager", "Credits",
     "DecodeOnlyPolicy", "EmbeddingOnlyPolicy", "GenerationPolicy", "IncrementalPooler",
-    "IBSPolicy", "ItemKind", "Policy", "PolicySnapshot", "PrefillOnlyPolicy", "Request", "RequestKind",
+    "IBSPolicy", "ItemKind", "IterationTarget",
+    "IterationTimePredictor", "Policy", "PolicySnapshot", "PrefillOnlyPolicy", "Request", "RequestKind",
     "RequestState", "SchedulerConfig", "UnifiedHeteroPolicy", "UnifiedHomoPolicy",
     "l2_normalize", "make_policy", "pool", "resolve_policy",
 ]

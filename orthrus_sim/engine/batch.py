@@ -64,6 +64,7 @@ class BatchUnit:
     total_tokens: int = 0
     reserved: int = 0
     reserved_for: str | None = None
+    num_decodes: int = 0
     _sorted: bool = field(default=True, repr=False)
 
     def add(self, request: Request, kind: ItemKind, num_tokens: int) -> BatchItem:
@@ -72,6 +73,8 @@ class BatchUnit:
         item = BatchItem(request, kind, request.num_computed, num_tokens)
         if self.items and self.items[-1].kind > kind:
             self._sorted = False
+        if kind is ItemKind.DECODE:
+            self.num_decodes += 1
         self.items.append(item)
         self.total_tokens += num_tokens
         return item
@@ -81,6 +84,7 @@ class BatchUnit:
         if items:
             self.items.extend(items)
             self.total_tokens += len(items)
+            self.num_decodes += len(items)
 
     def reserve(self, request_id: str | None, num_tokens: int) -> None:
         """Set ``num_tokens`` of the budget aside for ``request_id`` (None: release)."""

@@ -30,6 +30,12 @@ class SchedulerConfig:
         ``"reserve"`` (the expected final length of every running generation, its own included,
         fits beside what embeddings hold: no preemption while outputs end within
         ``expected_output_tokens``; an embedding is admitted by the same test).
+    tpot_target_s: an iteration-time target for iterations that carry decodes (seconds;
+        ``None``: no target, the brief's behaviour). While decodes run, the chunks a policy adds
+        are cut so that the batch's *predicted* time stays within it (docs/scheduler.md,
+        "Iteration-time target"); the executor hands the policy the predictor.
+    min_chunk_tokens: the smallest chunk the target cuts a prompt or embedding chunk to (and
+        the step it cuts in); a shorter remainder goes whole.
     """
 
     token_budget: int = 4096
@@ -41,6 +47,8 @@ class SchedulerConfig:
     waiting_work: str = "prompt"
     max_model_len: int | None = None
     kv_admission: str = "optimistic"
+    tpot_target_s: float | None = None
+    min_chunk_tokens: int = 32
 
     def __post_init__(self) -> None:
         def positive(name: str, value: object) -> None:
@@ -62,6 +70,12 @@ class SchedulerConfig:
         positive("num_blocks", self.num_blocks)
         if self.max_model_len is not None:
             positive("max_model_len", self.max_model_len)
+        positive("min_chunk_tokens", self.min_chunk_tokens)
+        if self.tpot_target_s is not None and (
+                isinstance(self.tpot_target_s, bool) or not isinstance(self.tpot_target_s, int | float)
+                or not self.tpot_target_s > 0 or self.tpot_target_s == float("inf")):
+            raise ValueError(f"scheduler.tpot_target_s must be a positive number of seconds, "
+                             f"got {self.tpot_target_s!r}")
         if self.kv_admission not in KV_ADMISSION_MODES:
             raise ValueError(
                 f"scheduler.kv_admission must be one of {', '.join(KV_ADMISSION_MODES)}, "

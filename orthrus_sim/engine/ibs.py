@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from orthrus_sim.engine.batch import BatchUnit
 from orthrus_sim.engine.config import SchedulerConfig
+from orthrus_sim.engine.iteration_target import IterationTimePredictor
 from orthrus_sim.engine.policy import Policy
 from orthrus_sim.engine.request import RequestState
 
@@ -59,8 +60,9 @@ class IBSPolicy(Policy):
 
     name = "ibs"
 
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
-        super().__init__(config)
+    def __init__(self, config: SchedulerConfig | None = None,
+                 predictor: IterationTimePredictor | None = None) -> None:
+        super().__init__(config, predictor)
         self.credits = Credits(limit=float(self.config.token_budget))
 
     def _credits_view(self) -> dict[str, float]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
 from orthrus_sim.engine.config import SchedulerConfig
+from orthrus_sim.engine.iteration_target import IterationTarget, IterationTimePredictor
 from orthrus_sim.engine.kv_cache import BlockManager
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
 
@@ -79,14 +80,27 @@ class Policy(abc.ABC):
     ``decode_runs``: the simulator may advance runs of identical all-decode iterations at once
     (``steady_decode_phases``). That is exact when ``fill`` depends on the queues and the KV cache
     only; a policy whose choices depend on the clock sets it False.
+
+    ``predictor``: the iteration-time predictor that ``config.tpot_target_s`` needs (the
+    executor's cost model); a target without one is refused.
     """
 
     name = "base"
     serves: tuple[RequestKind, ...] = (EMBEDDING, GENERATION)
     decode_runs = True
 
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, config: SchedulerConfig | None = None,
+                 predictor: IterationTimePredictor | None = None) -> None:
         self.config = config or SchedulerConfig()
+        self.target: IterationTarget | None = None
+        if self.config.tpot_target_s is not None:
+            if predictor is None:
+                raise ValueError(
+                    "scheduler.tpot_target_s needs an iteration-time predictor: the simulator "
+                    "uses its cost model; a real engine needs a calibration (serve --calibration "
+                    "FILE, from `orthrus-real calibrate`)")
+            self.target = IterationTarget(self.config.tpot_target_s, self.config.min_chunk_tokens,
+                                          predictor)
         self.blocks = BlockManager(self.config.num_blocks, self.config.block_size)
         self.iterations = 0
         self.preemptions = {EMBEDDING.value: 0, GENERATION.value: 0}
@@ -399,6 +413,10 @@ class Policy(abc.ABC):
             if waiting:
                 self._hold_back(rid, self.blocks.blocks_for(request.input_len))
             return 0
+        if self.target is not None:
+            n = self.target.tokens_within(batch, request, ItemKind.EMBED_CHUNK, n)
+            if not n:
+                return 0  # beside these decodes no chunk meets the target: it waits
         if waiting:
             self._admit(request, request.input_len, now)
         batch.add(request, ItemKind.EMBED_CHUNK, n)
@@ -414,6 +432,11 @@ class Policy(abc.ABC):
         left = batch.budget_for(rid)
         if left <= 0:
             return 0
+        if self.target is not None and not request.is_decode:
+            left = self.target.tokens_within(batch, request, ItemKind.PREFILL_CHUNK,
+                                             min(request.num_uncomputed, left))
+            if not left:
+                return 0
         if request.state is RequestState.WAITING:
             if len(self._running) >= self.config.max_num_seqs:
                 return 0
@@ -426,11 +449,16 @@ class Policy(abc.ABC):
             self._running.append(request)
             if not request.is_decode:
                 self._prefilling.append(request)
-        return self._add_prompt_chunk(batch, request)
+        return self._add_prompt_chunk(batch, request, left)
 
-    def _add_prompt_chunk(self, batch: BatchUnit, request: Request) -> int:
-        """An admitted request's next tokens, chunked to the budget left (or its decode)."""
+    def _add_prompt_chunk(self, batch: BatchUnit, request: Request, limit: int | None = None) -> int:
+        """An admitted request's next tokens, chunked to the budget left (or its decode) and,
+        with an iteration-time target, to what meets it (``limit``: already so cut)."""
         n = min(request.num_uncomputed, batch.budget_for(request.request_id))
+        if limit is not None:
+            n = min(n, limit)
+        elif self.target is not None and n > 0 and not request.is_decode:
+            n = self.target.tokens_within(batch, request, ItemKind.PREFILL_CHUNK, n)
         if n <= 0:
             return 0
         batch.add(request, ItemKind.DECODE if request.is_decode else ItemKind.PREFILL_CHUNK, n)

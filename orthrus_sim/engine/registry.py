@@ -19,6 +19,7 @@ from orthrus_sim.engine.baselines import (
 )
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.ibs import IBSPolicy
+from orthrus_sim.engine.iteration_target import IterationTimePredictor
 from orthrus_sim.engine.policy import Policy
 
 POLICIES: dict[str, type[Policy]] = {
@@ -80,5 +81,10 @@ def resolve_policy(spec: str | type[Policy]) -> type[Policy]:
     return cls
 
 
-def make_policy(spec: str | type[Policy], config: SchedulerConfig | None = None) -> Policy:
-    return resolve_policy(spec)(config or SchedulerConfig())
+def make_policy(spec: str | type[Policy], config: SchedulerConfig | None = None,
+                predictor: IterationTimePredictor | None = None) -> Policy:
+    """A policy by name or import path; ``predictor`` serves ``config.tpot_target_s``."""
+    cls = resolve_policy(spec)
+    if predictor is None:
+        return cls(config or SchedulerConfig())
+    return cls(config or SchedulerConfig(), predictor=predictor)

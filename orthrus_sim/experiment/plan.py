@@ -81,19 +81,20 @@ def plan_configuration(scenario: Scenario, name: str) -> list[ReplicaPlan]:
     gpus = scenario.cluster.gpus
 
     def config(model: ModelSpec, adapter: LoRASpec | None, budget: int,
-               chunk: int | None) -> SchedulerConfig:
+               chunk: int | None, target: float | None = None) -> SchedulerConfig:
         blocks = sch.num_blocks or kv_cache_blocks(hw, model, sch.block_size, budget,
                                                    sch.max_num_seqs,
                                                    scenario.cluster.memory_utilization, adapter)
         return SchedulerConfig(token_budget=budget, chunk_size=chunk, max_num_seqs=sch.max_num_seqs,
                                block_size=sch.block_size, num_blocks=blocks,
                                waiting_work=sch.waiting_work, kv_admission=sch.kv_admission,
-                               max_model_len=base.max_position_embeddings)
+                               max_model_len=base.max_position_embeddings, tpot_target_s=target,
+                               min_chunk_tokens=sch.min_chunk_tokens)
 
     if is_unified(name):
         policy = unified_policy(name, sch.policy)
         resolve_policy(policy)
-        cfg = config(base, lora, sch.token_budget, sch.chunk_size)
+        cfg = config(base, lora, sch.token_budget, sch.chunk_size, sch.tpot_target_s)
         return [ReplicaPlan("unified", policy, cfg, base, lora) for _ in range(gpus)]
     gen_budget = sch.generation_token_budget or sch.token_budget
     first, second = split_gpus(name, gpus)

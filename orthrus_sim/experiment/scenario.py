@@ -52,7 +52,12 @@ class EmbeddingSection(Strict):
 
 class ClusterSection(Strict):
     gpus: int = Field(default=1, ge=1)
-    router: Literal["round-robin", "least-work"] = "round-robin"
+    router: Literal["round-robin", "least-work", "adaptive"] = Field(
+        default="round-robin", description="round-robin | least-work (outstanding tokens) | "
+        "adaptive (unified replicas with scheduler.tpot_target_s: generations packed onto as few "
+        "replicas as hold the target, embeddings where they finish first)")
+    adaptive_pack: float = Field(default=1.0, gt=0, le=1, description="adaptive router: pack a "
+                                 "replica's generations up to this fraction of the target")
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
 
 
@@ -70,6 +75,10 @@ class SchedulerSection(Strict):
         "the expected final length of every running generation fits")
     generation_token_budget: int | None = Field(default=None, ge=1,
                                                 description="budget of dedicated generation replicas")
+    tpot_target_s: float | None = Field(
+        default=None, gt=0, description="iteration-time target (s) for iterations of unified "
+        "replicas that carry decodes: chunks are cut so the predicted time stays within it")
+    min_chunk_tokens: int = Field(default=32, ge=1, description="smallest chunk the target cuts to")
 
     @model_validator(mode="after")
     def _chunk_fits(self):

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import simpy
 
-from orthrus_sim.costmodel import get_hardware, get_model
+from orthrus_sim.costmodel import CostModelPredictor, get_hardware, get_model
 from orthrus_sim.engine.registry import make_policy
-from orthrus_sim.engine.request import Request, RequestKind, RequestState
+from orthrus_sim.engine.request import Request, RequestState
 from orthrus_sim.experiment.plan import coefficients, plan_configuration
+from orthrus_sim.experiment.routing import make_router
 from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.replica import Replica
-
-ROLES_FOR = {
-    RequestKind.EMBEDDING: ("unified", "embedding", "prefill"),
-    RequestKind.GENERATION: ("unified", "generation", "prefill"),
-}
 
 
 class Cluster:
@@ -30,7 +25,6 @@ class Cluster:
         self.env = env
         self.name = name
         self.on_done = on_done
-        self.router = scenario.cluster.router
         self.plans = plan_configuration(scenario, name)
         self.hardware = get_hardware(scenario.hardware)
         coeffs = coefficients(scenario)
@@ -40,38 +34,36 @@ class Cluster:
                 return cost_factory(plan.model, plan.lora)
             return plan.cost_model(self.hardware, coeffs)
 
-        self.replicas = [
-            Replica(env, i, plan.role, make_policy(plan.policy, plan.config), cost(plan),
-                    self._on_leave, fast_forward)
-            for i, plan in enumerate(self.plans)
-        ]
-        self._eligible = {
-            kind: [r for r in self.replicas if r.role in roles] for kind, roles in ROLES_FOR.items()
-        }
-        self._decoders = [r for r in self.replicas if r.role == "decode"]
-        self._rr = {key: itertools.count() for key in ("embedding", "generation", "decode")}
+        def replica(i, plan):
+            model = cost(plan)
+            # an iteration-time target is predicted by the very cost model the replica runs on
+            predictor = CostModelPredictor(model) if plan.config.tpot_target_s is not None else None
+            return Replica(env, i, plan.role, make_policy(plan.policy, plan.config, predictor),
+                           model, self._on_leave, fast_forward)
+
+        self.replicas = [replica(i, plan) for i, plan in enumerate(self.plans)]
+        unified = self.plans[0].config if self.plans else None
+        self.router = make_router(scenario.cluster.router, self.replicas,
+                                  unified.tpot_target_s if unified else None,
+                                  scenario.cluster.adaptive_pack)
         model = get_model(scenario.model)
         self._kv_bytes_per_token = model.kv_bytes_per_token
         self._link_bw = self.hardware.interconnect_bw
         self.kv_transfers = 0
         self.kv_transfer_s = 0.0
 
-    def _pick(self, candidates: list[Replica], key: str) -> Replica:
-        if self.router == "least-work":
-            return min(candidates, key=lambda r: (r.outstanding_work, r.index))
-        return candidates[next(self._rr[key]) % len(candidates)]
-
     def submit(self, request: Request) -> None:
-        candidates = self._eligible[request.kind]
-        if not candidates:
+        replica = self.router.route(request)
+        if replica is None:
             request.reject(f"configuration {self.name} has no replica serving "
                            f"{request.kind.value} requests")
             request.finished_at = self.env.now
             self.on_done(request)
             return
-        self._pick(candidates, request.kind.value).submit(request)
+        replica.submit(request)
 
     def _on_leave(self, request: Request, replica: Replica) -> None:
+        self.router.release(request)
         if request.state is RequestState.WAITING:  # prefill done on a prefill replica
             self.env.process(self._transfer(request))
         else:
@@ -82,5 +74,5 @@ class Cluster:
         self.kv_transfers += 1
         self.kv_transfer_s += seconds
         yield self.env.timeout(seconds)
-        self._pick(self._decoders, "decode").submit(request)
+        self.router.hand_off(request).submit(request)
 

@@ -1,0 +1,37 @@
+"""The cost model as the core's iteration-time predictor (``tpot_target_s``)."""
+
+from __future__ import annotations
+
+import copy
+
+from orthrus_sim.costmodel.cost import CostModel
+from orthrus_sim.costmodel.shape import BatchShape
+from orthrus_sim.engine.batch import BatchItem, BatchUnit
+
+
+class CostModelPredictor:
+    """``predict(batch, extra)`` by ``CostModel.shape_time``.
+
+    A policy asks several times while it fills one batch (a binary search per chunk), and only
+    appends items between the calls, so the batch's shape is kept and extended, not rebuilt.
+    """
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self.adapter = cost.lora is not None
+        self._batch: BatchUnit | None = None
+        self._seen = 0
+        self._shape = BatchShape()
+
+    def predict(self, batch: BatchUnit, extra: BatchItem | None = None) -> float:
+        items = batch.items
+        if batch is not self._batch or len(items) < self._seen:
+            self._batch, self._seen, self._shape = batch, 0, BatchShape()
+        shape, adapter = self._shape, self.adapter
+        for it in items[self._seen:]:
+            shape.add_item(it.kind, it.num_tokens, it.start, it.samples, adapter)
+        self._seen = len(items)
+        if extra is not None:
+            shape = copy.copy(shape)
+            shape.add_item(extra.kind, extra.num_tokens, extra.start, extra.samples, adapter)
+        return self.cost.shape_time(shape)

@@ -1,0 +1,82 @@
+"""The iteration-time target: how much a chunk may add to a batch that carries decodes.
+
+A decode-heavy iteration is memory-bound: a chunk riding with the decodes uses compute the step
+leaves idle, until it makes the step compute-bound and every running generation pays for it. The
+target (``SchedulerConfig.tpot_target_s``) says how long an iteration that carries decodes may
+take; the policy asks it, before adding a prompt or embedding chunk, how many of the chunk's
+tokens fit. Time comes from an ``IterationTimePredictor`` handed to the policy by its executor
+(the simulator's cost model, a real engine's calibration): the core never reads a clock.
+
+The rule (docs/scheduler.md, "Iteration-time target"):
+
+* no decode in the batch: the chunk goes whole (the token budget alone applies);
+* else the chunk goes whole if the batch with it is predicted within the target, else it is cut
+  to the largest multiple of ``min_chunk_tokens`` that is (a remainder shorter than that goes
+  whole or not at all), else it does not go this iteration;
+* progress: when the decodes *alone* are predicted above the target, one embedding chunk of at
+  most ``min_chunk_tokens`` still rides each iteration (that iteration misses the target
+  whatever is added), so embeddings never wait on decodes that cannot meet it. Otherwise a chunk
+  that does not fit waits: no new prompt fits either, so the running decodes only finish and
+  leave room.
+
+The search needs the predictor to be monotone in the chunk's length (more tokens never take less
+time), as any roofline is.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
+from orthrus_sim.engine.request import Request
+
+
+@runtime_checkable
+class IterationTimePredictor(Protocol):
+    """Seconds one iteration over ``batch``'s items (plus ``extra``, when given) will take.
+
+    Called while ``batch`` is being filled: items are only appended between calls, so an
+    implementation may keep a running summary of the items it has seen.
+    """
+
+    def predict(self, batch: BatchUnit, extra: BatchItem | None = None) -> float: ...
+
+
+class IterationTarget:
+    """``tokens_within``: the tokens of a chunk that keep a decode-carrying batch in target."""
+
+    def __init__(self, target_s: float, min_chunk: int, predictor: IterationTimePredictor) -> None:
+        if not isinstance(predictor, IterationTimePredictor):
+            raise TypeError(f"the iteration-time predictor must have predict(batch, extra=None), "
+                            f"got {type(predictor).__name__}")
+        self.target_s = target_s
+        self.min_chunk = min_chunk
+        self.predictor = predictor
+
+    def tokens_within(self, batch: BatchUnit, request: Request, kind: ItemKind, n: int) -> int:
+        """How many of the ``n`` tokens ``request`` would add as one ``kind`` chunk may go."""
+        if not batch.num_decodes or n <= 0:
+            return n
+        predict, target, step = self.predictor.predict, self.target_s, self.min_chunk
+        start = request.num_computed
+
+        def fits(tokens: int) -> bool:
+            return predict(batch, BatchItem(request, kind, start, tokens)) <= target
+
+        if fits(n):
+            return n
+        hi = (n - 1) // step  # multiples of ``step`` below n
+        if hi >= 1 and fits(step):
+            lo = 1
+            while lo < hi:  # the largest multiple that fits
+                mid = (lo + hi + 1) // 2
+                if fits(mid * step):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo * step
+        # the progress chunk: the first chunk beside decodes that alone miss the target
+        if (kind is ItemKind.EMBED_CHUNK and batch.num_decodes == len(batch.items)
+                and predict(batch) > target):
+            return min(n, step)
+        return 0

@@ -1,0 +1,242 @@
+"""Routing requests across a configuration's replicas: the one router of the simulator (and of
+any executor that runs several replicas).
+
+A replica, for a router, is anything with ``index``, ``role`` and ``outstanding_work`` (tokens
+routed to it and not finished) and, for the adaptive rule, ``cost`` (a cost model with
+``shape_time``) and ``policy.config``. The executor calls ``route(request)`` for the replica a
+request goes to and ``release(request)`` when the request leaves it (finished, rejected or
+handed off), so the router keeps its own counts and never walks a replica's queues.
+
+Rules (``cluster.router``):
+
+* ``round-robin``: each kind in turn over the replicas that serve it (the brief's dispatch);
+* ``least-work``: the replica with the fewest outstanding tokens;
+* ``adaptive`` (unified replicas with ``scheduler.tpot_target_s``): generations are *packed*
+  onto as few replicas as hold the target, embeddings go where they finish soonest: a split
+  that follows the mix (``AdaptivePlacement``, docs/scheduler.md "Adaptive placement").
+
+A kind goes only to replicas whose role serves it (``ROLES_FOR``): that is the routing by kind of
+the split placements (Dedicated N:M, Disagg-PD), whatever the rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from orthrus_sim.costmodel.shape import BatchShape
+from orthrus_sim.engine.batch import ItemKind
+from orthrus_sim.engine.request import Request, RequestKind
+
+ROUTERS = ("round-robin", "least-work", "adaptive")
+
+ROLES_FOR = {
+    RequestKind.EMBEDDING: ("unified", "embedding", "prefill"),
+    RequestKind.GENERATION: ("unified", "generation", "prefill"),
+}
+
+
+class Router:
+    """Round-robin per kind, or least outstanding work, over the replicas serving the kind."""
+
+    def __init__(self, replicas: list[Any], rule: str = "round-robin") -> None:
+        if rule not in ROUTERS:
+            raise ValueError(f"cluster.router must be one of {', '.join(ROUTERS)}, got {rule!r}")
+        self.rule = rule
+        self.replicas = replicas
+        self.eligible = {kind: [r for r in replicas if r.role in roles]
+                         for kind, roles in ROLES_FOR.items()}
+        self._turn = {kind: itertools.count() for kind in RequestKind}
+        self._handoff_turn = itertools.count()
+        self._placed: dict[str, Any] = {}
+
+    def route(self, request: Request) -> Any | None:
+        """The replica ``request`` goes to; None when no replica serves its kind."""
+        candidates = self.eligible[request.kind]
+        if not candidates:
+            return None
+        replica = self._choose(request, candidates)
+        self._placed[request.request_id] = replica
+        self._placed_here(request, replica, +1)
+        return replica
+
+    def release(self, request: Request) -> None:
+        """``request`` left the replica it was routed to."""
+        replica = self._placed.pop(request.request_id, None)
+        if replica is not None:
+            self._placed_here(request, replica, -1)
+
+    def hand_off(self, request: Request) -> Any:
+        """The decode replica a Disagg-PD prefill hands ``request`` to (by the same rule)."""
+        decoders = [r for r in self.replicas if r.role == "decode"]
+        if self.rule == "least-work":
+            return min(decoders, key=lambda r: (r.outstanding_work, r.index))
+        return decoders[next(self._handoff_turn) % len(decoders)]
+
+    def _choose(self, request: Request, candidates: list[Any]) -> Any:
+        if self.rule == "least-work":
+            return min(candidates, key=lambda r: (r.outstanding_work, r.index))
+        return candidates[next(self._turn[request.kind]) % len(candidates)]
+
+    def _placed_here(self, request: Request, replica: Any, sign: int) -> None:
+        """Bookkeeping hook of rules that count what they placed."""
+
+
+@dataclass
+class _Load:
+    """What the adaptive router placed on one replica and has not seen leave."""
+
+    generations: int = 0
+    decode_kv: int = 0  # sum over them of the context a decode reads mid-way through its output
+    embed_tokens: int = 0
+
+
+class AdaptivePlacement(Router):
+    """Pack generations, spread embeddings: co-serving that places work like the best split.
+
+    Every replica is either *decoding* (it holds generations; embeddings ride along in what the
+    iteration-time target leaves) or *embedding* (no generation: its whole budget embeds).
+
+    * A generation goes to the decoding replica with the **most** generations on which, with
+      it, the decodes beside one ``min_chunk_tokens`` prompt chunk are predicted within
+      ``pack x tpot_target_s`` (best fit, so the least loaded decoding replicas drain);
+      if none has room, the embedding replica with the least
+      outstanding work becomes a decoding one; if every replica decodes, the one whose step is
+      predicted shortest takes it.
+    * An embedding goes to the replica where it is predicted to finish first: queued embedding
+      tokens divided by the replica's embedding rate (the full budget's rate on an embedding
+      replica, the tokens that fit beside its decodes within the target on a decoding one).
+    * A decoding replica becomes an embedding one only when its last generation leaves.
+
+    Stability: a replica changes side only when it is empty of generations (decoding ->
+    embedding) or when no decoding replica can take one more within ``pack`` of the target
+    (embedding -> decoding); best fit keeps new generations off the replicas that drain, so a
+    mix sitting at a boundary moves one replica at most per drain, never back and forth per
+    request. A decode step is predicted for the replica's generations at mid-output context
+    (``input_len + expected_output_tokens / 2`` each), the steady-state mean, so the estimate
+    does not move with every token.
+    """
+
+    def __init__(self, replicas: list[Any], target_s: float | None, pack: float = 1.0) -> None:
+        super().__init__(replicas, "round-robin")
+        self.rule = "adaptive"
+        if target_s is None:
+            raise ValueError("cluster.router 'adaptive' needs scheduler.tpot_target_s: it packs "
+                             "generations onto replicas up to that iteration time")
+        if not 0 < pack <= 1:
+            raise ValueError(f"cluster.adaptive_pack must be in (0, 1], got {pack!r}")
+        self.target_s = target_s
+        self.pack = pack
+        self.load = {r.index: _Load() for r in replicas}
+        self._rates: dict[tuple[int, int, int], float] = {}
+
+    # ----- the two sides --------------------------------------------------------------------
+    def decoding(self) -> list[Any]:
+        """Replicas holding generations, as the router counts them."""
+        return [r for r in self.replicas if self.load[r.index].generations]
+
+    def _choose(self, request: Request, candidates: list[Any]) -> Any:
+        if request.is_embedding:
+            return min(candidates, key=lambda r: (self._embedding_finish(r, request), r.index))
+        limit = self.pack * self.target_s
+        best = None
+        for r in candidates:
+            load = self.load[r.index]
+            if not load.generations:
+                continue
+            if (self._admission_step(r, load, request) <= limit
+                    and (best is None or load.generations > self.load[best.index].generations)):
+                best = r
+        if best is not None:
+            return best
+        idle = [r for r in candidates if not self.load[r.index].generations]
+        if idle:
+            return min(idle, key=lambda r: (r.outstanding_work, r.index))
+        return min(candidates, key=lambda r: (self._admission_step(r, self.load[r.index], request),
+                                              r.index))
+
+    def _placed_here(self, request: Request, replica: Any, sign: int) -> None:
+        load = self.load[replica.index]
+        if request.is_embedding:
+            load.embed_tokens += sign * request.input_len
+        else:
+            load.generations += sign
+            load.decode_kv += sign * (request.input_len + request.expected_output_tokens // 2)
+
+    # ----- predictions ----------------------------------------------------------------------
+    @staticmethod
+    def _admission_step(replica: Any, load: _Load, request: Request) -> float:
+        """The predicted iteration of ``replica`` once ``request`` joins it: its decodes and the
+        newcomer's (each at mid-output context) beside one minimum prompt chunk, so that
+        prompts still find room under the target when the replica is full (a replica packed to
+        its decodes alone leaves new prompts waiting for a decode to finish: TTFT grows)."""
+        cfg = replica.policy.config
+        mid = request.input_len + request.expected_output_tokens // 2
+        shape = _decode_shape(load.generations + 1, load.decode_kv + mid)
+        shape.add_item(ItemKind.PREFILL_CHUNK, min(request.input_len, cfg.min_chunk_tokens), 0,
+                       True, replica.cost.lora is not None)
+        return replica.cost.shape_time(shape)
+
+    def _embedding_finish(self, replica: Any, request: Request) -> float:
+        load = self.load[replica.index]
+        return (load.embed_tokens + request.input_len) / self._embedding_rate(replica, load)
+
+    def _embedding_rate(self, replica: Any, load: _Load) -> float:
+        """Embedding tokens per second the replica gives beside its generations (cached by the
+        decode count and a coarse context, which is all it depends on)."""
+        key = (replica.index, load.generations, load.decode_kv >> 12)
+        rate = self._rates.get(key)
+        if rate is None:
+            rate = self._rates[key] = _chunk_rate(replica, load.generations, load.decode_kv,
+                                                  self.target_s)
+        return rate
+
+
+def _decode_shape(decodes: int, decode_kv: int) -> BatchShape:
+    return BatchShape(tokens=decodes, num_seqs=decodes, decodes=decodes, decode_kv=decode_kv,
+                      sample_rows=decodes)
+
+
+def _chunk_rate(replica: Any, decodes: int, decode_kv: int, target_s: float) -> float:
+    """Chunk tokens per second a replica runs: a full budget of chunks with no decodes, else
+    the most chunk tokens (a multiple of ``min_chunk_tokens``) that fit beside the decodes
+    within the target, per target period (a small floor keeps the rate positive)."""
+    cfg = replica.policy.config
+    chunk = cfg.chunk_size or cfg.token_budget
+    step = cfg.min_chunk_tokens
+
+    adapter = replica.cost.lora is not None
+
+    def shape(tokens: int) -> BatchShape:
+        s = _decode_shape(decodes, decode_kv) if decodes else BatchShape()
+        left = tokens
+        while left > 0:
+            n = min(chunk, left)
+            s.add_item(ItemKind.EMBED_CHUNK, n, 0, False, adapter)
+            left -= n
+        return s
+
+    if not decodes:
+        budget = cfg.token_budget
+        return budget / replica.cost.shape_time(shape(budget))
+    lo, hi = 0, cfg.token_budget // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if replica.cost.shape_time(shape(mid * step)) <= target_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return max(lo * step, 1) / target_s
+
+
+def make_router(rule: str, replicas: list[Any], target_s: float | None = None,
+                pack: float = 1.0) -> Router:
+    """The router for ``cluster.router``. ``adaptive`` places work on unified replicas; a split
+    placement (Dedicated, Disagg-PD) already fixes each replica's kind, so there it routes by
+    kind, round-robin within a side."""
+    if rule == "adaptive" and any(r.role != "unified" for r in replicas):
+        return Router(replicas, "round-robin")
+    if rule == "adaptive":
+        return AdaptivePlacement(replicas, target_s, pack)
+    return Router(replicas, rule)

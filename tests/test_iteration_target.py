@@ -1,0 +1,150 @@
+"""The iteration-time target (``tpot_target_s``) and the adaptive router."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orthrus_sim.engine import (
+    BatchItem,
+    BatchUnit,
+    ItemKind,
+    Request,
+    RequestKind,
+    SchedulerConfig,
+    make_policy,
+)
+from tests.helpers import drive, make_requests
+from tests.test_core_properties import request_spec
+
+
+class RooflinePredictor:
+    """A monotone stand-in for a cost model: a fixed cost, then the larger of a compute term
+    (every token) and a memory term (weights, plus each decode's context), plus a small
+    per-sequence cost. Monotone in every item's length, as the target's search requires."""
+
+    def __init__(self, fixed=1.0, per_token=0.01, weights=1.5, per_kv=0.002, per_seq=0.005):
+        self.fixed, self.per_token, self.weights = fixed, per_token, weights
+        self.per_kv, self.per_seq = per_kv, per_seq
+        self.calls = 0
+
+    def items_time(self, items) -> float:
+        if not items:
+            return 0.0
+        tokens = sum(it.num_tokens for it in items)
+        kv = sum(it.start + it.num_tokens for it in items)
+        compute = self.per_token * tokens
+        memory = self.weights + self.per_kv * kv
+        return self.fixed + max(compute, memory) + self.per_seq * len(items)
+
+    def predict(self, batch: BatchUnit, extra: BatchItem | None = None) -> float:
+        self.calls += 1
+        return self.items_time(batch.items + ([extra] if extra is not None else []))
+
+
+def decodes_of(batch: BatchUnit) -> list[BatchItem]:
+    return [it for it in batch.items if it.kind is ItemKind.DECODE]
+
+
+def test_a_target_without_predictor_is_refused():
+    with pytest.raises(ValueError, match="tpot_target_s needs an iteration-time predictor"):
+        make_policy("ibs", SchedulerConfig(tpot_target_s=0.02))
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), True, "fast"])
+def test_a_bad_target_names_the_field(bad):
+    with pytest.raises(ValueError, match="scheduler.tpot_target_s"):
+        SchedulerConfig(tpot_target_s=bad)
+
+
+def test_a_chunk_beside_decodes_is_cut_to_the_target_in_min_chunk_steps():
+    pred = RooflinePredictor()
+    cfg = SchedulerConfig(token_budget=1024, chunk_size=512, tpot_target_s=3.2, min_chunk_tokens=32)
+    policy = make_policy("ibs", cfg, pred)
+    gen = Request("g", RequestKind.GENERATION, 0.0, 8, max_output_tokens=50)
+    policy.add(gen)
+    policy.complete(policy.schedule(0.0), 1.0)  # the prompt: now it decodes
+    policy.add(Request("e", RequestKind.EMBEDDING, 1.0, 900), 1.0)
+    batch = policy.schedule(2.0)
+    chunk = [it for it in batch.items if it.kind is ItemKind.EMBED_CHUNK]
+    assert decodes_of(batch) and len(chunk) == 1
+    n = chunk[0].num_tokens
+    assert n % 32 == 0 and 32 <= n < 512
+    assert pred.items_time(batch.items) <= 3.2
+    # one more step of 32 would have missed the target: the cut is the largest that fits
+    longer = BatchItem(chunk[0].request, ItemKind.EMBED_CHUNK, 0, n + 32)
+    assert pred.items_time(decodes_of(batch) + [longer]) > 3.2
+    # with no decode in the batch, the full chunk goes
+    alone = make_policy("ibs", cfg, RooflinePredictor())
+    alone.add(Request("e2", RequestKind.EMBEDDING, 0.0, 900))
+    assert alone.schedule(0.0).items[0].num_tokens == 512
+
+
+def test_no_target_means_the_briefs_ibs():
+    """Without a target, IBS schedules exactly what it did (the predictor is never asked)."""
+    spec = [("generation", 0.0, 40, 30), ("embedding", 0.0, 700, 0), ("generation", 2.0, 100, 9),
+            ("embedding", 3.0, 64, 0), ("embedding", 3.0, 1000, 0)]
+    cfg = SchedulerConfig(token_budget=256, chunk_size=128)
+    a = drive(make_policy("ibs", cfg), make_requests(spec))
+    pred = RooflinePredictor()
+    b = drive(make_policy("ibs", cfg, pred), make_requests(spec))
+    assert [[(it.request.request_id, it.kind, it.num_tokens) for it in x.items] for x in a] == \
+        [[(it.request.request_id, it.kind, it.num_tokens) for it in x.items] for x in b]
+    assert pred.calls == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(request_spec, min_size=1, max_size=40),
+       st.sampled_from(["ibs", "unified-hetero", "unified-homo"]),
+       st.sampled_from([1.6, 2.2, 3.0, 5.0]),
+       st.sampled_from([8, 16, 32]),
+       st.sampled_from([64, 256]))
+def test_decode_iterations_stay_within_the_target(spec, policy_name, target, min_chunk, budget):
+    """With any monotone predictor: no iteration that carries decodes is predicted above the
+    target unless its decodes alone are, and then only one embedding chunk of at most
+    ``min_chunk_tokens`` rides with them (the progress chunk); every request still finishes."""
+    pred = RooflinePredictor()
+    cfg = SchedulerConfig(token_budget=budget, chunk_size=min(64, budget), num_blocks=4000,
+                          block_size=16, tpot_target_s=target, min_chunk_tokens=min_chunk)
+    policy = make_policy(policy_name, cfg, pred)
+    requests = make_requests(spec)
+    progress_chunks = 0
+
+    def check(policy, batch, now):
+        nonlocal progress_chunks
+        decodes = decodes_of(batch)
+        if not decodes:
+            return
+        if pred.items_time(batch.items) <= target:
+            return
+        assert pred.items_time(decodes) > target, "a chunk pushed the iteration over the target"
+        rest = [it for it in batch.items if it.kind is not ItemKind.DECODE]
+        assert len(rest) <= 1
+        for it in rest:
+            assert it.kind is ItemKind.EMBED_CHUNK and it.num_tokens <= min_chunk
+            progress_chunks += 1
+
+    drive(policy, requests, check)
+    assert all(r.state.value == "finished" for r in requests)
+
+
+def test_embeddings_progress_beside_decodes_that_alone_miss_the_target():
+    """Decodes that alone exceed the target still let one small embedding chunk through per
+    iteration, so an embedding finishes while they run."""
+    pred = RooflinePredictor()
+    cfg = SchedulerConfig(token_budget=256, chunk_size=128, tpot_target_s=1.0, min_chunk_tokens=16)
+    policy = make_policy("ibs", cfg, pred)
+    gens = [Request(f"g{i}", RequestKind.GENERATION, 0.0, 4, max_output_tokens=400) for i in range(3)]
+    for g in gens:
+        policy.add(g)
+    policy.complete(policy.schedule(0.0), 1.0)
+    emb = Request("e", RequestKind.EMBEDDING, 1.0, 100)
+    policy.add(emb, 1.0)
+    now = 1.0
+    for _ in range(10):
+        batch = policy.schedule(now)
+        now += 1
+        policy.complete(batch, now)
+    assert emb.state.value == "finished"
+    assert all(g.state.value == "running" for g in gens)
