@@ -9,7 +9,7 @@ BACKENDS = ("torch", "vllm")
 def make_engine(backend: str, model: str, adapter: str | None = None, policy: str = "ibs",
                 scheduler=None, kv_cache_tokens: int = 32768, device: str | None = None,
                 dtype: str | None = None, threads: int = 0,
-                gpu_memory_utilization: float | None = None):
+                gpu_memory_utilization: float | None = None, calibration: str | None = None):
     """Build the engine; call it in the thread that will step it."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -18,6 +18,9 @@ def make_engine(backend: str, model: str, adapter: str | None = None, policy: st
 
         torch.set_num_threads(threads)
     if backend == "vllm":
+        if scheduler is not None and scheduler.tpot_target_s is not None:
+            raise ValueError("--tpot-target is not carried to --backend vllm yet: serve it with "
+                             "--backend torch")
         if device not in (None, "auto"):
             raise ValueError("--device does not apply to --backend vllm (vLLM picks its platform)")
         from orthrus_real.vllm_backend.engine import VllmEngine
@@ -30,4 +33,4 @@ def make_engine(backend: str, model: str, adapter: str | None = None, policy: st
     from orthrus_real.engine import Engine
 
     return Engine(model, adapter_dir=adapter, policy=policy, scheduler=scheduler, device=device,
-                  dtype=dtype, kv_cache_tokens=kv_cache_tokens)
+                  dtype=dtype, kv_cache_tokens=kv_cache_tokens, calibration=calibration)

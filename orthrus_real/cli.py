@@ -117,6 +117,10 @@ def serve(
     api_key: str = typer.Option(None, "--api-key", envvar="ORTHRUS_API_KEY",
                                 help="require 'Authorization: Bearer KEY' (401 without it)"),
     log_level: str = typer.Option("info", help="critical | error | warning | info | debug"),
+    tpot_target: float = typer.Option(None, "--tpot-target", help="seconds an iteration that "
+                                      "carries decodes may take (predicted; needs --calibration)"),
+    calibration: str = typer.Option(None, "--calibration", help="cost model fitted to this "
+                                    "engine (`orthrus-real calibrate`): predicts iteration times"),
 ) -> None:
     """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine.
 
@@ -135,9 +139,12 @@ def serve(
                                            chunk_size, max_num_seqs)
         if max_model_len is not None:
             sched = replace(sched, max_model_len=max_model_len)
+        if tpot_target is not None:
+            sched = replace(sched, tpot_target_s=tpot_target)
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
-                             served_model_name, device, dtype, pooling, threads, backend, api_key)
+                             served_model_name, device, dtype, pooling, threads, backend, api_key,
+                             calibration)
     except (ValueError, RuntimeError) as exc:
         fail(exc)
     except KeyboardInterrupt:

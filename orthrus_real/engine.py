@@ -30,7 +30,7 @@ class Engine(EngineBase):
     def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None,
                  policy: str = "ibs", scheduler: SchedulerConfig | None = None,
                  device: str | None = None, dtype: str | None = None,
-                 kv_cache_tokens: int = 32768) -> None:
+                 kv_cache_tokens: int = 32768, calibration: str | None = None) -> None:
         super().__init__(model_dir)
         self.device = choose_device(device)
         cfg = self._set_dtype(*choose_dtype(self.device, dtype, self.cfg.dtype))
@@ -40,7 +40,7 @@ class Engine(EngineBase):
         self.model = Decoder(cfg, read_weights(model_dir), self.device, adapter)
         base = scheduler or SchedulerConfig()
         num_blocks = max(1, kv_cache_tokens // base.block_size)
-        self._make_policy(policy, base, num_blocks, base.block_size)
+        self._make_policy(policy, base, num_blocks, base.block_size, calibration)
         slots = num_blocks * base.block_size
         self.caches = [  # per layer: (slot, K or V, kv head, head dim)
             torch.zeros(slots, 2, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)

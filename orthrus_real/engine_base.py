@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from orthrus_real.model_files import read_config
 from orthrus_real.sampling import SamplingParams
+from orthrus_sim.costmodel.predictor import calibrated_predictor
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine import (
     BatchUnit,
@@ -98,6 +99,7 @@ class EngineBase:
         self.adapter_name: str | None = None
         self.adapter_rank: int | None = None
         self.dtype_reason = "the model's"
+        self.calibration: str | None = None
 
     def _set_dtype(self, dtype: torch.dtype, why: str):
         self.cfg = type(self.cfg)(**{**self.cfg.__dict__, "dtype": dtype})
@@ -105,13 +107,23 @@ class EngineBase:
         return self.cfg
 
     def _make_policy(self, policy: str, scheduler: SchedulerConfig, num_blocks: int,
-                     block_size: int) -> None:
-        """The core policy, with the engine's KV capacity and the model's length limit."""
+                     block_size: int, calibration: str | None = None) -> None:
+        """The core policy, with the engine's KV capacity and the model's length limit; an
+        iteration-time target is predicted by the cost model fitted to this engine
+        (``calibration``, from ``orthrus-real calibrate``)."""
         self.scheduler_config = replace(
             scheduler, num_blocks=num_blocks, block_size=block_size,
             max_model_len=min(scheduler.max_model_len or self.cfg.max_model_len,
                               self.cfg.max_model_len))
-        self.policy = make_policy(policy, self.scheduler_config)
+        predictor = None
+        if scheduler.tpot_target_s is not None:
+            if calibration is None:
+                raise ValueError("--tpot-target needs --calibration FILE (the cost model "
+                                 "`orthrus-real calibrate` fitted to this engine) to predict "
+                                 "iteration times")
+            predictor = calibrated_predictor(calibration, str(self.model_dir), self.adapter_rank)
+        self.calibration = calibration
+        self.policy = make_policy(policy, self.scheduler_config, predictor)
 
     def describe(self) -> dict:
         """What the engine loaded and how it schedules (the server logs it at start)."""
@@ -126,6 +138,8 @@ class EngineBase:
                 "token_budget": c.token_budget,
                 "chunk_size": c.chunk_size if c.chunk_size is not None else "none (atomic)",
                 "max_num_seqs": c.max_num_seqs, "kv_admission": c.kv_admission,
+                "tpot_target": (f"{c.tpot_target_s * 1e3:g} ms per decode iteration, predicted "
+                                f"by {self.calibration}" if c.tpot_target_s else "none"),
                 "embedding_adapter": (f"{self.adapter_name} (rank {self.adapter_rank})"
                                       if self.adapter_name else "none")}
 

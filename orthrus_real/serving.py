@@ -36,11 +36,11 @@ def build(model: str, adapter: str | None = None, policy: str = "ibs", scheduler
           kv_cache_tokens: int = 32768, max_queued: int = 1024, max_body_bytes: int = 1 << 20,
           served_model_name: str | None = None, device: str | None = None, dtype: str | None = None,
           pooling: str = "mean", threads: int = 0, backend: str = "torch",
-          api_key: str | None = None):
+          api_key: str | None = None, calibration: str | None = None):
     """Engine thread, metrics and app; the engine is ready when this returns."""
     def make_engine():
         return backends.make_engine(backend, model, adapter, policy, scheduler, kv_cache_tokens,
-                                    device, dtype, threads)
+                                    device, dtype, threads, calibration=calibration)
 
     runner = EngineThread(make_engine, max_queued=max_queued)
     metrics = EngineMetrics.attach(runner)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -148,3 +149,72 @@ def test_embeddings_progress_beside_decodes_that_alone_miss_the_target():
         policy.complete(batch, now)
     assert emb.state.value == "finished"
     assert all(g.state.value == "running" for g in gens)
+
+
+def test_the_pytorch_engine_keeps_decode_iterations_within_its_calibrated_target(tiny_models):
+    """``serve --tpot-target --calibration``: the engine's policy predicts with the cost model
+    fitted to the engine; every decode iteration is predicted within the target (or carries
+    decodes that alone miss it), and greedy outputs are those of an engine without a target."""
+    pytest.importorskip("torch")
+    from orthrus_real.engine import Engine
+    from orthrus_real.sampling import SamplingParams
+    from orthrus_sim.costmodel import calibrated_predictor
+    from tests.test_real_engine import prompt_ids
+
+    path = tiny_models["llama"]
+    cal = "calibration/cpu-2core-small.json"
+    probe = calibrated_predictor(cal, str(path), 4)
+    gen = Request("p", RequestKind.GENERATION, 0.0, 40, max_output_tokens=8)
+    gen.num_computed = 40
+    decodes_only = BatchUnit(256)
+    decodes_only.add_decodes([BatchItem(gen, ItemKind.DECODE, 40, 1)] * 3)
+    target = 1.3 * probe.predict(decodes_only)
+
+    def run(scheduler):
+        eng = Engine(path, adapter_dir=path / "adapter", scheduler=scheduler, device="cpu",
+                     dtype="float32", calibration=cal)
+        seen = []
+        schedule = eng.policy.schedule
+
+        def watched(now):
+            batch = schedule(now)
+            seen.append(list(batch.items))
+            return batch
+
+        eng.policy.schedule = watched
+        for i in range(3):
+            eng.add_generation(f"g{i}", token_ids=prompt_ids(20 + 5 * i, seed=i),
+                               params=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+        for i in range(3):
+            eng.add_embedding(f"e{i}", token_ids=prompt_ids(200 + 9 * i, seed=10 + i))
+        return eng.run_until_idle(), seen, eng
+
+    base, _, _ = run(SchedulerConfig(token_budget=256, chunk_size=128))
+    out, seen, eng = run(SchedulerConfig(token_budget=256, chunk_size=128, tpot_target_s=target,
+                                         min_chunk_tokens=16))
+    assert "predicted by" in eng.describe()["tpot_target"]
+    check = calibrated_predictor(cal, str(path), 4)
+    cut = 0
+    for items in seen:
+        decodes = [it for it in items if it.kind is ItemKind.DECODE]
+        if not decodes:
+            continue
+        batch, alone = BatchUnit(256), BatchUnit(256)
+        for it in items:
+            batch.items.append(it)
+        alone.items.extend(decodes)
+        assert check.predict(batch) <= target * (1 + 1e-9) or check.predict(alone) > target
+        cut += any(it.kind is ItemKind.EMBED_CHUNK and it.num_tokens < 128 for it in items)
+    assert cut, "the target never cut a chunk: the test does not test it"
+    for i in range(3):
+        assert out[f"g{i}"].token_ids == base[f"g{i}"].token_ids
+        np.testing.assert_allclose(out[f"e{i}"].embedding, base[f"e{i}"].embedding, atol=1e-5)
+
+
+def test_a_target_on_the_engine_needs_a_calibration(tiny_models):
+    pytest.importorskip("torch")
+    from orthrus_real.engine import Engine
+
+    with pytest.raises(ValueError, match="--calibration"):
+        Engine(tiny_models["llama"], scheduler=SchedulerConfig(tpot_target_s=0.01), device="cpu",
+               dtype="float32")

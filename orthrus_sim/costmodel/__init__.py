@@ -41,12 +41,13 @@ from orthrus_sim.costmodel.model import (
     spec_from_config,
 )
 from orthrus_sim.costmodel.operators import OPERATORS, operator_work
-from orthrus_sim.costmodel.predictor import CostModelPredictor
+from orthrus_sim.costmodel.predictor import CostModelPredictor, calibrated_predictor
 from orthrus_sim.costmodel.shape import BatchShape
 
 __all__ = [
     "HARDWARE", "MODEL_CONFIGS", "OPERATORS", "BatchShape", "CalibrationFile", "Coefficients",
-    "CostModel", "CostModelPredictor", "Hardware", "LoRASpec", "ModelSpec", "OpCoeffs", "OperatorSample",
-    "fit_iterations", "fit_operator", "get_hardware", "get_model", "iteration_work", "kv_cache_blocks",
-    "load_calibration", "operator_work", "save_calibration", "spec_from_config",
+    "CostModel", "CostModelPredictor", "Hardware", "LoRASpec", "ModelSpec", "OpCoeffs",
+    "OperatorSample", "calibrated_predictor", "fit_iterations", "fit_operator", "get_hardware",
+    "get_model", "iteration_work", "kv_cache_blocks", "load_calibration", "operator_work",
+    "save_calibration", "spec_from_config",
 ]

@@ -35,3 +35,18 @@ class CostModelPredictor:
             shape = copy.copy(shape)
             shape.add_item(extra.kind, extra.num_tokens, extra.start, extra.samples, adapter)
         return self.cost.shape_time(shape)
+
+
+def calibrated_predictor(calibration: str, model: str, lora_rank: int | None = None
+                         ) -> CostModelPredictor:
+    """The predictor a real engine hands its policy: the cost model that ``orthrus-real
+    calibrate`` fitted (``calibration``: a file or shipped name) for ``model`` (a checkpoint
+    directory or catalogue name) and its embedding adapter's rank."""
+    from orthrus_sim.costmodel.calibration import load_calibration
+    from orthrus_sim.costmodel.hardware import get_hardware
+    from orthrus_sim.costmodel.model import LoRASpec, get_model
+
+    cal = load_calibration(calibration)
+    cost = CostModel(get_hardware(cal.hardware), get_model(model), cal.to_coefficients(),
+                     LoRASpec(lora_rank) if lora_rank else None)
+    return CostModelPredictor(cost)

@@ -1,0 +1,125 @@
+"""The one router (orthrus_sim/experiment/routing.py): round-robin, least-work, adaptive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orthrus_sim.costmodel import CostModel, LoRASpec, get_hardware, get_model
+from orthrus_sim.engine import Request, RequestKind, SchedulerConfig
+from orthrus_sim.experiment.routing import AdaptivePlacement, Router, make_router
+from orthrus_sim.experiment.scenario import load_scenario
+from orthrus_sim.sim.run import simulate
+
+COST = CostModel(get_hardware("a100-40gb"), get_model("mistral-7b-v0.1"), lora=LoRASpec(16))
+TARGET = 0.025
+
+
+@dataclass
+class FakePolicy:
+    config: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(
+        token_budget=2048, chunk_size=512, tpot_target_s=TARGET))
+
+
+@dataclass
+class FakeReplica:
+    index: int
+    role: str = "unified"
+    outstanding_work: int = 0
+    cost: CostModel = COST
+    policy: FakePolicy = field(default_factory=FakePolicy)
+
+
+def gen(i: int) -> Request:
+    return Request(f"g{i}", RequestKind.GENERATION, 0.0, 128, max_output_tokens=512)
+
+
+def emb(i: int) -> Request:
+    return Request(f"e{i}", RequestKind.EMBEDDING, 0.0, 128)
+
+
+def test_round_robin_alternates_per_kind_and_split_placements_route_by_kind():
+    reps = [FakeReplica(0, "embedding"), FakeReplica(1, "generation"), FakeReplica(2, "generation")]
+    router = Router(reps)
+    assert [router.route(gen(i)).index for i in range(4)] == [1, 2, 1, 2]
+    assert {router.route(emb(i)).index for i in range(3)} == {0}
+    assert Router([FakeReplica(0, "embedding")]).route(gen(0)) is None
+    with pytest.raises(ValueError, match="cluster.router"):
+        Router(reps, "random")
+
+
+def test_least_work_sends_work_to_the_idle_replica():
+    reps = [FakeReplica(0, outstanding_work=500), FakeReplica(1, outstanding_work=0)]
+    assert Router(reps, "least-work").route(emb(0)).index == 1
+
+
+def test_adaptive_packs_generations_and_spreads_embeddings():
+    reps = [FakeReplica(i) for i in range(4)]
+    router = make_router("adaptive", reps, TARGET)
+    placed = [router.route(gen(i)).index for i in range(40)]
+    # a light generation load sits on one replica: its decodes stay within the target
+    assert set(placed) == {0}
+    assert [r.index for r in router.decoding()] == [0]
+    # embeddings go mostly to the replicas that do not decode; some ride with the decodes
+    counts = [0] * 4
+    for i in range(60):
+        counts[router.route(emb(i)).index] += 1
+    assert counts[0] < min(counts[1:])
+    # a heavy generation load grows the decoding side one replica at a time
+    more = [router.route(gen(100 + i)).index for i in range(400)]
+    assert len(router.decoding()) > 1 and len(set(more)) == len(router.decoding())
+    # a replica whose generations all left goes back to embeddings
+    for i in range(40):
+        router.release(gen(i))
+    for i in range(400):
+        router.release(gen(100 + i))
+    assert router.decoding() == []
+
+
+def test_adaptive_needs_a_target():
+    with pytest.raises(ValueError, match="tpot_target_s"):
+        AdaptivePlacement([FakeReplica(0)], None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["e", "g", "release"]), st.integers(0, 60)),
+                min_size=1, max_size=200))
+def test_adaptive_always_places_and_a_kind_with_work_has_a_replica(ops):
+    """Whatever comes and goes, every request is placed on a replica, and while generations
+    are placed some replica decodes them (no kind is left without a replica)."""
+    reps = [FakeReplica(i) for i in range(3)]
+    router = make_router("adaptive", reps, TARGET)
+    live: dict[str, Request] = {}
+    for op, i in ops:
+        if op == "release":
+            if live:
+                router.release(live.pop(sorted(live)[i % len(live)]))
+            continue
+        req = gen(i) if op == "g" else emb(i)
+        if req.request_id in live:
+            continue
+        assert router.route(req) in reps
+        live[req.request_id] = req
+        n_gens = sum(1 for r in live.values() if not r.is_embedding)
+        assert bool(router.decoding()) == bool(n_gens)
+        assert sum(router.load[r.index].generations for r in reps) == n_gens
+
+
+def test_simulated_adaptive_placement_meets_the_target():
+    sc = load_scenario("scenarios/mix_sweep.yaml", [
+        "duration_s=30", "warmup_s=10", "workload.arrival.clients=96", "workload.arrival.ramp_s=5",
+        "workload.generation_share=0.2", "workload.generation_output.value=64",
+        f"scheduler.tpot_target_s={TARGET}", "scheduler.waiting_work=prompt+output",
+        "cluster.router=adaptive"])
+    m = simulate(sc, "orthrus", keep_rows=False).metrics
+    assert m["latency_s"]["tpot"]["p99"] <= TARGET
+    assert m["throughput_rps"]["embedding"] > 0 and m["throughput_rps"]["generation"] > 0
+    rr = simulate(load_scenario("scenarios/mix_sweep.yaml", [
+        "duration_s=30", "warmup_s=10", "workload.arrival.clients=96", "workload.arrival.ramp_s=5",
+        "workload.generation_share=0.2", "workload.generation_output.value=64"]), "orthrus",
+        keep_rows=False).metrics
+    # the brief's IBS lets embedding chunks slow every decode: the target keeps them fast
+    assert rr["latency_s"]["tpot"]["p99"] > TARGET
