@@ -628,6 +628,10 @@ class Policy(abc.ABC):
         if first < 1:
             return []
         nothing_waits = len(self._requests) == len(running)
+        if self.target is not None and self._embeddings and not nothing_waits:
+            # decodes growing past the target let a progress chunk in (iteration_target.py):
+            # what keeps a waiting embedding out may not stay for the run
+            return []
         last = max(remaining) if nothing_waits else first
         bs = self.config.block_size
         free = self.blocks.num_free

@@ -1,0 +1,140 @@
+"""The co-serving trade-off, shown: normalised throughput against generation TPOT p99 on the
+mix sweep (scenarios/mix_sweep.yaml), per generation share.
+
+Points: the Dedicated splits (1:3, 2:2, 3:1) and the Unified baselines as the brief specifies
+them; Orthrus with an iteration-time target from 1x to 3x the decode-only step (Dedicated-1:3's
+TPOT p50 at that share), with round-robin and with adaptive placement. Writes
+docs/reproduction/frontier.json, one plot per share and the table of docs/reproduction.md's
+"Co-serving frontier" section (printed). Deterministic: the simulator is.
+
+    python scripts/make_frontier.py [--workers 2] [--shares 0.1,0.5,0.9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+SPLITS = ["dedicated-1:3", "dedicated-2:2", "dedicated-3:1"]
+BASELINES = ["unified-hetero", "unified-homo", "orthrus"]
+TARGETS = [1.0, 1.25, 1.5, 2.0, 3.0]
+OUT = Path("docs/reproduction")
+
+
+def run_point(args: tuple[float, str, list[str]]) -> dict:
+    from orthrus_sim.experiment.scenario import load_scenario
+    from orthrus_sim.sim.run import simulate
+
+    share, configuration, sets = args
+    sc = load_scenario("scenarios/mix_sweep.yaml", [f"workload.generation_share={share}", *sets])
+    m = simulate(sc, configuration, keep_rows=False).metrics
+    return {"share": share, "configuration": configuration, "set": sets,
+            "embedding_rps": m["throughput_rps"]["embedding"],
+            "generation_rps": m["throughput_rps"]["generation"],
+            "tpot_p50_s": m["latency_s"].get("tpot", {}).get("p50"),
+            "tpot_p99_s": m["latency_s"].get("tpot", {}).get("p99"),
+            "ttft_p99_s": m["latency_s"].get("ttft", {}).get("p99")}
+
+
+def label(p: dict) -> str:
+    if not p["set"]:
+        return p["configuration"] if p["configuration"] != "orthrus" else "orthrus (brief's IBS)"
+    router = "adaptive" if any("adaptive" in s for s in p["set"]) else "round-robin"
+    return f"orthrus {p['target_x']:g}x {router}"
+
+
+def normalised(p: dict, ref: dict) -> float:
+    """Throughput per kind relative to one dedicated GPU of that kind, summed (the brief's
+    normalised throughput: what share of a GPU each kind's rate would need on its own)."""
+    return p["embedding_rps"] / ref["emb_per_gpu"] + p["generation_rps"] / ref["gen_per_gpu"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--shares", default="0.1,0.5,0.9")
+    args = ap.parse_args()
+    shares = [float(s) for s in args.shares.split(",")]
+    with ProcessPoolExecutor(args.workers) as pool:
+        first = list(pool.map(run_point, [(s, c, []) for s in shares for c in SPLITS + BASELINES]))
+        step = {p["share"]: p["tpot_p50_s"] for p in first if p["configuration"] == "dedicated-1:3"}
+        jobs = []
+        for s in shares:
+            for x in TARGETS:
+                base = [f"scheduler.tpot_target_s={x * step[s]:.6f}",
+                        "scheduler.waiting_work=prompt+output"]
+                jobs += [(s, "orthrus", base), (s, "orthrus", base + ["cluster.router=adaptive"])]
+        second = list(pool.map(run_point, jobs))
+    for p in second:
+        p["target_x"] = round(float(p["set"][0].split("=")[1]) / step[p["share"]], 2)
+    points = first + second
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "frontier.json").write_text(json.dumps(points, indent=1) + "\n")
+    _plots(points, shares)
+    _table(points, shares)
+
+
+def _reference(points: list[dict], share: float) -> dict:
+    d13 = next(p for p in points if p["share"] == share and p["configuration"] == "dedicated-1:3")
+    return {"emb_per_gpu": d13["embedding_rps"] / 1, "gen_per_gpu": d13["generation_rps"] / 3}
+
+
+def _plots(points: list[dict], shares: list[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(shares), figsize=(5 * len(shares), 4.2), squeeze=False)
+    for ax, share in zip(axes[0], shares):
+        ref = _reference(points, share)
+        here = [p for p in points if p["share"] == share]
+        for router, marker in (("round-robin", "o-"), ("adaptive", "s-")):
+            line = sorted((p for p in here if p["set"] and label(p).endswith(router)),
+                          key=lambda p: p["target_x"])
+            ax.plot([p["tpot_p99_s"] * 1e3 for p in line], [normalised(p, ref) for p in line],
+                    marker, label=f"orthrus + target, {router}")
+            for p in line:
+                ax.annotate(f"{p['target_x']:g}x", (p["tpot_p99_s"] * 1e3, normalised(p, ref)),
+                            fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for p in here:
+            if p["set"] or p["tpot_p99_s"] is None:
+                continue
+            ax.plot(p["tpot_p99_s"] * 1e3, normalised(p, ref), "k^" if "dedicated" in p["configuration"]
+                    else "rx", markersize=8)
+            ax.annotate(label(p), (p["tpot_p99_s"] * 1e3, normalised(p, ref)), fontsize=7,
+                        xytext=(4, -9), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("generation TPOT p99 (ms, log)")
+        ax.set_ylabel("normalised throughput (GPUs' worth)")
+        ax.set_title(f"generation share {share}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(OUT / "frontier.png", dpi=120)
+
+
+def _table(points: list[dict], shares: list[float]) -> None:
+    print("| share | configuration | emb/s | gen/s | TPOT p99 (ms) | TTFT p99 (s) | normalised | "
+          "dominated by a split |")
+    print("|---|---|---|---|---|---|---|---|")
+    for share in shares:
+        ref = _reference(points, share)
+        here = [p for p in points if p["share"] == share]
+        splits = [p for p in here if p["configuration"] in SPLITS]
+        for p in sorted(here, key=lambda p: (p["configuration"] != "orthrus" or bool(p["set"]),
+                                            label(p))):
+            tpot = p["tpot_p99_s"]
+            dom = [s["configuration"] for s in splits if tpot is not None and s is not p
+                   and s["tpot_p99_s"] <= tpot and s["embedding_rps"] > 1.02 * p["embedding_rps"]
+                   and s["generation_rps"] > 1.02 * p["generation_rps"]]
+            print(f"| {share} | {label(p)} | {p['embedding_rps']:.1f} | {p['generation_rps']:.2f} | "
+                  f"{tpot * 1e3 if tpot else float('nan'):.1f} | "
+                  f"{p['ttft_p99_s'] if p['ttft_p99_s'] is not None else float('nan'):.2f} | "
+                  f"{normalised(p, ref):.2f} | {', '.join(dom) or 'no'} |")
+
+
+if __name__ == "__main__":
+    main()
