@@ -10,8 +10,13 @@ embedding throughput is inputs per second; both after a warm-up. "Normalised" is
 generation/generation-alone + embedding/embedding-alone, where "alone" is the same streams of
 one type on an engine with both cores (the vLLM dedicated split measured 1.09).
 
+With ``--calibration FILE`` (the engine's calibration, `orthrus-real calibrate`) it adds "ibs +
+target": IBS with an iteration-time target of ``--target-x`` (default 1.5) times the decode-only
+step the calibration predicts for the G streams (at mid-output context), and reports each
+configuration's generation TPOT p99 against it (docs/scheduler.md, "Iteration-time target").
+
 Run: python benchmarks/engine_mix.py [--duration 20] [--streams 4,16,64] [--mixes 5:5,1:9]
-     [--backend torch|vllm]
+     [--backend torch|vllm] [--calibration calibration/cpu-2core-small.json --model DIR]
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ PROMPT, OUTPUT, EMB_LEN = 128, 128, 128
 
 def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int, duration: float,
                 warmup: float, threads: int, core: int | None = None, budget: int = 2048,
-                backend: str = "torch", gpu_share: float | None = None) -> dict:
+                backend: str = "torch", gpu_share: float | None = None,
+                target: float | None = None, calibration: str | None = None) -> dict:
     """Closed-loop clients against one in-process engine; returns per-type counts and latencies."""
     if core is not None:
         os.sched_setaffinity(0, {core})
@@ -47,8 +53,9 @@ def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int,
     engine = make_engine(backend, model_dir, policy=policy,
                          kv_cache_tokens=(gen_streams + emb_streams + 4) * 320,
                          scheduler=SchedulerConfig(token_budget=budget, chunk_size=chunk,
-                                                   max_num_seqs=256),
-                         threads=threads, gpu_memory_utilization=gpu_share)
+                                                   max_num_seqs=256, tpot_target_s=target),
+                         threads=threads, gpu_memory_utilization=gpu_share,
+                         calibration=calibration)
     rng = np.random.default_rng(0)
     top = min(8000, engine.cfg.vocab_size)  # any model's vocabulary (the tiny one: 512)
     ids = iter(range(10**9))
@@ -76,23 +83,31 @@ def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int,
     done = {"embedding": 0, "generation": 0}
     latency = {"embedding": [], "generation": []}
     tokens = 0
+    first_token: dict[str, float] = {}
+    tpots: list[float] = []
     while time.perf_counter() - t0 < duration:
         for out in engine.step():
             now = time.perf_counter()
-            if out.kind == "generation" and now - t0 >= warmup:
-                tokens += 1
+            if out.kind == "generation":
+                first_token.setdefault(out.request_id, now)
+                if now - t0 >= warmup:
+                    tokens += 1
             if not out.finished:
                 continue
             kind, began = started.pop(out.request_id)
             if now - t0 >= warmup:
                 done[kind] += 1
                 latency[kind].append(now - began)
+                if kind == "generation":
+                    tpots.append((now - first_token[out.request_id]) / (OUTPUT - 1))
+            first_token.pop(out.request_id, None)
             submit(kind)
     window = duration - warmup
     engine.close()
     return {"embedding": done["embedding"] / window, "generation": tokens / window,
             "lat_embedding": statistics.median(latency["embedding"]) if latency["embedding"] else None,
-            "lat_generation": statistics.median(latency["generation"]) if latency["generation"] else None}
+            "lat_generation": statistics.median(latency["generation"]) if latency["generation"] else None,
+            "tpot_p99": float(np.percentile(tpots, 99)) if tpots else None}
 
 
 def _has_gpu() -> bool:
@@ -113,7 +128,19 @@ def dedicated(model_dir: str, gen_streams: int, emb_streams: int, duration: floa
                           warmup, 1, 1, 2048, backend, share)
         e, g = emb.result(), gen.result()
     return {"embedding": e["embedding"], "generation": g["generation"],
-            "lat_embedding": e["lat_embedding"], "lat_generation": g["lat_generation"]}
+            "lat_embedding": e["lat_embedding"], "lat_generation": g["lat_generation"],
+            "tpot_p99": g["tpot_p99"]}
+
+
+def decode_step_target(calibration: str, model_dir: str, streams: int, times: float) -> float:
+    """``times`` x the decode-only step the calibration predicts for ``streams`` decodes."""
+    from orthrus_sim.costmodel import calibrated_predictor
+    from orthrus_sim.engine import BatchItem, BatchUnit, ItemKind, Request, RequestKind
+
+    req = Request("probe", RequestKind.GENERATION, 0.0, PROMPT, max_output_tokens=OUTPUT)
+    batch = BatchUnit(10**6)
+    batch.add_decodes([BatchItem(req, ItemKind.DECODE, PROMPT + OUTPUT // 2, 1)] * streams)
+    return times * calibrated_predictor(calibration, model_dir).predict(batch)
 
 
 def main() -> None:
@@ -130,6 +157,10 @@ def main() -> None:
     parser.add_argument("--backend", default="torch", choices=("torch", "vllm"),
                         help="the PyTorch engine, or vLLM with the Orthrus plug-in (every "
                              "configuration, the single-task engines included, on that backend)")
+    parser.add_argument("--calibration", default=None,
+                        help="the engine's calibration: adds IBS with an iteration-time target")
+    parser.add_argument("--target-x", type=float, default=1.5,
+                        help="the target in decode-only steps (predicted by --calibration)")
     args = parser.parse_args()
     console = Console(width=170)
     tmp = tempfile.TemporaryDirectory()
@@ -142,7 +173,8 @@ def main() -> None:
                         f"{args.duration:.0f} s each "
                         f"({args.warmup:.0f} s warm-up)")
     for col in ("mix e:g", "gen streams", "emb streams", "configuration", "emb inputs/s",
-                "gen tokens/s", "normalised", "vs dedicated", "emb p50 s", "gen p50 s"):
+                "gen tokens/s", "normalised", "vs dedicated", "emb p50 s", "gen p50 s",
+                "TPOT p99 ms", "target ms"):
         table.add_column(col, justify="right")
     for mix in args.mixes.split(","):
         e_share, g_share = (float(x) for x in mix.split(":"))
@@ -157,6 +189,12 @@ def main() -> None:
             for policy in args.policies.split(","):
                 results[policy] = run_clients(model_dir, policy, g, e, args.duration, args.warmup, 2,
                                               budget=args.token_budget, backend=b)
+            target = None
+            if args.calibration:
+                target = decode_step_target(args.calibration, model_dir, g, args.target_x)
+                results["ibs + target"] = run_clients(
+                    model_dir, "ibs", g, e, args.duration, args.warmup, 2, budget=args.token_budget,
+                    backend=b, target=target, calibration=args.calibration)
             base = results["dedicated 1:1 cores"]
             for name, r in results.items():
                 norm = r["generation"] / gen_alone["generation"] + r["embedding"] / emb_alone["embedding"]
@@ -166,7 +204,9 @@ def main() -> None:
                               f"{norm:.2f}",
                               f"{norm / base_norm:.2f}x",
                               f"{r['lat_embedding']:.2f}" if r["lat_embedding"] else "-",
-                              f"{r['lat_generation']:.1f}" if r["lat_generation"] else "-")
+                              f"{r['lat_generation']:.1f}" if r["lat_generation"] else "-",
+                              f"{r['tpot_p99'] * 1e3:.1f}" if r["tpot_p99"] else "-",
+                              f"{target * 1e3:.1f}" if target and name == "ibs + target" else "-")
             console.print(f"done {mix} G={g}: alone gen {gen_alone['generation']:.1f} tok/s, "
                           f"emb {emb_alone['embedding']:.2f}/s")
     console.print(table)

@@ -13,11 +13,12 @@ The rule (docs/scheduler.md, "Iteration-time target"):
 * else the chunk goes whole if the batch with it is predicted within the target, else it is cut
   to the largest multiple of ``min_chunk_tokens`` that is (a remainder shorter than that goes
   whole or not at all), else it does not go this iteration;
-* progress: when the decodes *alone* are predicted above the target, one embedding chunk of at
-  most ``min_chunk_tokens`` still rides each iteration (that iteration misses the target
-  whatever is added), so embeddings never wait on decodes that cannot meet it. Otherwise a chunk
-  that does not fit waits: no new prompt fits either, so the running decodes only finish and
-  leave room.
+* progress: an embedding chunk of at most ``min_chunk_tokens`` rides beside decodes that
+  leave it no room (a) at once when the decodes *alone* are predicted above the target (that
+  iteration misses it whatever is added), and (b) when embedding chunks were refused for the
+  target in ``PROGRESS_AFTER`` iterations since the last progress chunk. So embeddings always
+  progress, and a decode's TPOT (a mean over its iterations) exceeds the target by at most one
+  minimum chunk's cost over ``PROGRESS_AFTER`` iterations.
 
 The search needs the predictor to be monotone in the chunk's length (more tokens never take less
 time), as any roofline is.
@@ -29,6 +30,9 @@ from typing import Protocol, runtime_checkable
 
 from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
 from orthrus_sim.engine.request import Request
+
+# iterations with an embedding chunk refused for the target before one minimum chunk rides anyway
+PROGRESS_AFTER = 8
 
 
 @runtime_checkable
@@ -52,6 +56,8 @@ class IterationTarget:
         self.target_s = target_s
         self.min_chunk = min_chunk
         self.predictor = predictor
+        self.starved = 0  # iterations with an embedding chunk refused since the last progress chunk
+        self._refused_in: BatchUnit | None = None
 
     def tokens_within(self, batch: BatchUnit, request: Request, kind: ItemKind, n: int) -> int:
         """How many of the ``n`` tokens ``request`` would add as one ``kind`` chunk may go."""
@@ -75,8 +81,13 @@ class IterationTarget:
                 else:
                     hi = mid - 1
             return lo * step
-        # the progress chunk: the first chunk beside decodes that alone miss the target
-        if (kind is ItemKind.EMBED_CHUNK and batch.num_decodes == len(batch.items)
-                and predict(batch) > target):
-            return min(n, step)
+        if kind is ItemKind.EMBED_CHUNK:
+            if self.starved >= PROGRESS_AFTER or (batch.num_decodes == len(batch.items)
+                                                  and predict(batch) > target):
+                self.starved = 0  # the progress chunk
+                self._refused_in = batch
+                return min(n, step)
+            if self._refused_in is not batch:
+                self._refused_in = batch
+                self.starved += 1
         return 0

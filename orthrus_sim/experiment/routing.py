@@ -89,6 +89,7 @@ class _Load:
 
     generations: int = 0
     decode_kv: int = 0  # sum over them of the context a decode reads mid-way through its output
+    final_kv: int = 0  # sum over them of their expected final length (KV tokens held at the end)
     embed_tokens: int = 0
 
 
@@ -100,7 +101,8 @@ class AdaptivePlacement(Router):
 
     * A generation goes to the decoding replica with the **most** generations on which, with
       it, the decodes beside one ``min_chunk_tokens`` prompt chunk are predicted within
-      ``pack x tpot_target_s`` (best fit, so the least loaded decoding replicas drain);
+      ``pack x tpot_target_s`` and which has a decode slot and KV blocks for the expected final
+      length of what it holds (best fit, so the least loaded decoding replicas drain);
       if none has room, the embedding replica with the least
       outstanding work becomes a decoding one; if every replica decodes, the one whose step is
       predicted shortest takes it.
@@ -143,7 +145,7 @@ class AdaptivePlacement(Router):
         best = None
         for r in candidates:
             load = self.load[r.index]
-            if not load.generations:
+            if not load.generations or not self._has_room(r, load, request):
                 continue
             if (self._admission_step(r, load, request) <= limit
                     and (best is None or load.generations > self.load[best.index].generations)):
@@ -153,8 +155,9 @@ class AdaptivePlacement(Router):
         idle = [r for r in candidates if not self.load[r.index].generations]
         if idle:
             return min(idle, key=lambda r: (r.outstanding_work, r.index))
-        return min(candidates, key=lambda r: (self._admission_step(r, self.load[r.index], request),
-                                              r.index))
+        roomy = [r for r in candidates if self._has_room(r, self.load[r.index], request)]
+        return min(roomy or candidates, key=lambda r: (
+            self._admission_step(r, self.load[r.index], request), r.index))
 
     def _placed_here(self, request: Request, replica: Any, sign: int) -> None:
         load = self.load[replica.index]
@@ -163,6 +166,16 @@ class AdaptivePlacement(Router):
         else:
             load.generations += sign
             load.decode_kv += sign * (request.input_len + request.expected_output_tokens // 2)
+            load.final_kv += sign * (request.input_len + request.expected_output_tokens)
+
+    @staticmethod
+    def _has_room(replica: Any, load: _Load, request: Request) -> bool:
+        """A decode slot (``max_num_seqs``) and KV blocks for every placed generation's
+        expected final length, this one's included: packing past either leaves requests
+        queued on one replica while another has room."""
+        cfg = replica.policy.config
+        return (load.generations < cfg.max_num_seqs and load.final_kv + request.input_len
+                + request.expected_output_tokens <= cfg.num_blocks * cfg.block_size)
 
     # ----- predictions ----------------------------------------------------------------------
     @staticmethod
