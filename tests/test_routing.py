@@ -56,18 +56,22 @@ def test_least_work_sends_work_to_the_idle_replica():
     assert Router(reps, "least-work").route(emb(0)).index == 1
 
 
-def test_adaptive_packs_generations_and_spreads_embeddings():
+def test_adaptive_packs_generations_while_embeddings_queue():
     reps = [FakeReplica(i) for i in range(4)]
     router = make_router("adaptive", reps, TARGET)
+    for i in range(400):  # embeddings queue on every replica
+        router.route(emb(i))
+    assert all(router.load[r.index].embed_tokens for r in reps)
     placed = [router.route(gen(i)).index for i in range(40)]
     # a light generation load sits on one replica: its decodes stay within the target
-    assert set(placed) == {0}
-    assert [r.index for r in router.decoding()] == [0]
-    # embeddings go mostly to the replicas that do not decode; some ride with the decodes
+    assert len(set(placed)) == 1
+    assert len(router.decoding()) == 1
+    decoding = router.decoding()[0].index
+    # new embeddings go mostly to the replicas that do not decode; some ride with the decodes
     counts = [0] * 4
-    for i in range(60):
+    for i in range(400, 460):
         counts[router.route(emb(i)).index] += 1
-    assert counts[0] < min(counts[1:])
+    assert counts[decoding] < min(c for i, c in enumerate(counts) if i != decoding)
     # a heavy generation load grows the decoding side one replica at a time
     more = [router.route(gen(100 + i)).index for i in range(400)]
     assert len(router.decoding()) > 1 and len(set(more)) == len(router.decoding())
@@ -77,6 +81,14 @@ def test_adaptive_packs_generations_and_spreads_embeddings():
     for i in range(400):
         router.release(gen(100 + i))
     assert router.decoding() == []
+
+
+def test_adaptive_spreads_generations_when_no_embedding_waits():
+    """With no embedding work, a replica on the embedding side is spare: generations spread
+    (each decode step shorter) instead of packing."""
+    reps = [FakeReplica(i) for i in range(4)]
+    router = make_router("adaptive", reps, TARGET)
+    assert {router.route(gen(i)).index for i in range(40)} == {0, 1, 2, 3}
 
 
 def test_adaptive_needs_a_target():

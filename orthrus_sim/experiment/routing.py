@@ -94,31 +94,41 @@ class _Load:
 
 
 class AdaptivePlacement(Router):
-    """Pack generations, spread embeddings: co-serving that places work like the best split.
+    """Generations on as few replicas as hold the target, embeddings where they finish first:
+    co-serving that places work like the best split for the mix of the moment.
 
-    Every replica is either *decoding* (it holds generations; embeddings ride along in what the
-    iteration-time target leaves) or *embedding* (no generation: its whole budget embeds).
+    Replicas on the *decoding* side take generations (embeddings ride in what the target leaves
+    beside their decodes); the others embed with their whole budget.
 
-    * A generation goes to the decoding replica with the **most** generations on which, with
-      it, the decodes beside one ``min_chunk_tokens`` prompt chunk are predicted within
-      ``pack x tpot_target_s`` and which has a decode slot and KV blocks for the expected final
-      length of what it holds (best fit, so the least loaded decoding replicas drain);
-      if none has room, the embedding replica with the least
-      outstanding work becomes a decoding one; if every replica decodes, the one whose step is
-      predicted shortest takes it.
+    * A generation goes to the decoding replica on which the iteration with it is predicted
+      shortest (the replica's decodes and the newcomer's, each at mid-output context, beside one
+      ``min_chunk_tokens`` prompt chunk), among those where that iteration is within
+      ``pack x tpot_target_s`` and a decode slot and KV blocks for every placed generation's
+      expected final length remain. If none qualifies, the decoding side grows: a draining
+      replica with room comes back first, else the embedding replica with the least outstanding
+      work joins.
+    * An embedding replica with less than one target period of embedding work queued joins
+      the side even when the side has room (embeddings do not need it; spreading generations
+      makes every decode step shorter).
+    * The side shrinks when embeddings queue everywhere (more than ``SHRINK_BACKLOG`` target
+      periods of work on every replica) and its generations would fit one replica fewer at
+      ``SHRINK_AT`` of the limit: the decoding replica with the fewest generations *drains*
+      (takes no new generation) and embeds again once its last one leaves.
     * An embedding goes to the replica where it is predicted to finish first: queued embedding
-      tokens divided by the replica's embedding rate (the full budget's rate on an embedding
-      replica, the tokens that fit beside its decodes within the target on a decoding one).
-    * A decoding replica becomes an embedding one only when its last generation leaves.
+      tokens over the replica's embedding rate (a full budget of chunks with no decodes; the
+      chunk tokens that fit beside its decodes within the target otherwise).
 
-    Stability: a replica changes side only when it is empty of generations (decoding ->
-    embedding) or when no decoding replica can take one more within ``pack`` of the target
-    (embedding -> decoding); best fit keeps new generations off the replicas that drain, so a
-    mix sitting at a boundary moves one replica at most per drain, never back and forth per
-    request. A decode step is predicted for the replica's generations at mid-output context
-    (``input_len + expected_output_tokens / 2`` each), the steady-state mean, so the estimate
-    does not move with every token.
+    Stability: the side grows when no decoding replica can take a generation within the limit
+    or a replica has no embedding work, and shrinks only when embeddings queue everywhere and
+    the rest would hold the generations at ``SHRINK_AT`` of the limit, bands wide enough
+    that a mix sitting at a boundary does not move a replica back and forth; a replica
+    leaves the side only by draining, so no generation is moved. A decode is predicted at
+    mid-output context (``input_len + expected_output_tokens / 2``), the steady-state mean,
+    so the estimate does not move with every token.
     """
+
+    SHRINK_AT = 0.8
+    SHRINK_BACKLOG = 10
 
     def __init__(self, replicas: list[Any], target_s: float | None, pack: float = 1.0) -> None:
         super().__init__(replicas, "round-robin")
@@ -131,6 +141,8 @@ class AdaptivePlacement(Router):
         self.target_s = target_s
         self.pack = pack
         self.load = {r.index: _Load() for r in replicas}
+        self.active: list[Any] = []  # the decoding side, taking new generations
+        self.draining: list[Any] = []  # leaving it: no new generation until empty
         self._rates: dict[tuple[int, int, int], float] = {}
 
     # ----- the two sides --------------------------------------------------------------------
@@ -141,23 +153,55 @@ class AdaptivePlacement(Router):
     def _choose(self, request: Request, candidates: list[Any]) -> Any:
         if request.is_embedding:
             return min(candidates, key=lambda r: (self._embedding_finish(r, request), r.index))
+        self.draining = [r for r in self.draining if self.load[r.index].generations]
+        self._maybe_shrink(request)
         limit = self.pack * self.target_s
-        best = None
-        for r in candidates:
-            load = self.load[r.index]
-            if not load.generations or not self._has_room(r, load, request):
-                continue
-            if (self._admission_step(r, load, request) <= limit
-                    and (best is None or load.generations > self.load[best.index].generations)):
-                best = r
-        if best is not None:
-            return best
-        idle = [r for r in candidates if not self.load[r.index].generations]
-        if idle:
-            return min(idle, key=lambda r: (r.outstanding_work, r.index))
+        idle = [r for r in candidates if r not in self.active and r not in self.draining]
+        # an embedding replica with under one iteration of embedding work queued joins even
+        # when the decoding side has room: embeddings do not need it, generations do
+        spare = [r for r in idle if self._embedding_backlog(r) < self.target_s]
+        fits = [(step, r.index, r) for r in self.active
+                if self._has_room(r, self.load[r.index], request)
+                and (step := self._admission_step(r, self.load[r.index], request)) <= limit]
+        if fits and not spare:
+            return min(fits)[2]
+        back = [r for r in self.draining if self._has_room(r, self.load[r.index], request)]
+        if spare:
+            back, idle = [], spare
+        if back or idle:
+            joining = (min(back, key=lambda r: (self.load[r.index].generations, r.index)) if back
+                       else min(idle, key=lambda r: (r.outstanding_work, r.index)))
+            if joining in self.draining:
+                self.draining.remove(joining)
+            self.active.append(joining)
+            return joining
         roomy = [r for r in candidates if self._has_room(r, self.load[r.index], request)]
         return min(roomy or candidates, key=lambda r: (
             self._admission_step(r, self.load[r.index], request), r.index))
+
+    def _maybe_shrink(self, request: Request) -> None:
+        """Drain the least loaded decoding replica when embeddings queue (everywhere more than
+        ``SHRINK_BACKLOG`` target periods of work) and the others would hold every generation
+        (this one's included) at ``SHRINK_AT`` of the limit."""
+        if len(self.active) < 2:
+            return
+        if min(self._embedding_backlog(r) for r in self.replicas) < self.SHRINK_BACKLOG * self.target_s:
+            return
+        loads = [self.load[r.index] for r in self.active]
+        n = sum(x.generations for x in loads) + 1
+        kv = sum(x.decode_kv for x in loads) + request.input_len + request.expected_output_tokens // 2
+        final = sum(x.final_kv for x in loads) + request.input_len + request.expected_output_tokens
+        k = len(self.active) - 1
+        each = -(-n // k)
+        probe = _Load(generations=each - 1, decode_kv=kv * (each - 1) // n,
+                      final_kv=final * (each - 1) // n)
+        ref = self.active[0]
+        if (self._has_room(ref, probe, request) and self._admission_step(ref, probe, request)
+                <= self.SHRINK_AT * self.pack * self.target_s):
+            leaving = min(self.active, key=lambda r: (self.load[r.index].generations, -r.index))
+            self.active.remove(leaving)
+            if self.load[leaving.index].generations:
+                self.draining.append(leaving)
 
     def _placed_here(self, request: Request, replica: Any, sign: int) -> None:
         load = self.load[replica.index]
@@ -190,6 +234,11 @@ class AdaptivePlacement(Router):
         shape.add_item(ItemKind.PREFILL_CHUNK, min(request.input_len, cfg.min_chunk_tokens), 0,
                        True, replica.cost.lora is not None)
         return replica.cost.shape_time(shape)
+
+    def _embedding_backlog(self, replica: Any) -> float:
+        """Seconds of embedding work queued on ``replica`` at its embedding rate."""
+        load = self.load[replica.index]
+        return load.embed_tokens / self._embedding_rate(replica, load)
 
     def _embedding_finish(self, replica: Any, request: Request) -> float:
         load = self.load[replica.index]
