@@ -69,8 +69,8 @@ def plan_sweep(raw: dict, overrides: list[str], grid: list[str], base_dir: Path 
     points = []
     for i, combo in enumerate(itertools.product(*[vals for _, vals in axes])):
         point_over = [f"{k}={v}" for (k, _), v in zip(axes, combo)]
-        sc = parse_scenario(raw, f"grid point {', '.join(point_over)}", overrides + point_over,
-                            base_dir, check_fit=False)
+        sc = parse_scenario(raw, f"{source} at grid point {', '.join(point_over)}", overrides,
+                            base_dir, check_fit=False, grid=point_over)
         fits, skipped = [], {}
         for cfg in sc.configurations:
             try:

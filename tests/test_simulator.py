@@ -236,7 +236,7 @@ def test_decode_runs_through_finishes_equal_stepping(configuration, monkeypatch)
 def test_scenario_errors_name_the_field():
     with pytest.raises(ValueError, match=r"workload\.arrival: .*needs 'rate'"):
         parse_scenario({"name": "x", "duration_s": 1, "workload": {"arrival": {"process": "poisson"}}})
-    with pytest.raises(ValueError, match=r"scheduler\.token_budget: Input should be greater"):
+    with pytest.raises(ValueError, match=r"scheduler\.token_budget must be a positive integer"):
         parse_scenario({"name": "x", "duration_s": 1, "scheduler": {"token_budget": 0}})
     with pytest.raises(ValueError, match="hardware: unknown name 'tpu'"):
         parse_scenario({"name": "x", "duration_s": 1, "hardware": "tpu"})

@@ -336,3 +336,17 @@ def test_segment_lora_ops_equal_vllms_and_skip_tokens_without_adapter():
     out = torch.zeros(T, d_out)
     seg.sgmv_expand(xs, b, out, *no_adapter, True)
     assert out[10:15].abs().max() == 0 and out[:10].abs().max() > 0
+
+
+def test_the_plug_in_runs_the_whole_config_it_is_handed(model64):
+    """Issue 25: the plug-in got a hand-picked subset (no kv_admission: reserve ran as
+    optimistic). Every field but those vLLM decides now arrives, non-default values included."""
+    from tests.test_settings import CARRIED, other_value
+
+    cfg = SchedulerConfig(**{n: other_value(n) for n in CARRIED})
+    eng = VllmEngine(model64, scheduler=cfg, kv_cache_tokens=4096)
+    try:
+        for name in CARRIED:
+            assert getattr(eng.policy.config, name) == getattr(cfg, name), name
+    finally:
+        eng.close()
