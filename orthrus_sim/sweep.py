@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orthrus_sim.experiment.results import format_rows, results_doc, write_json
 from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump, split_gpus
-from orthrus_sim.runner import Task, ignore_sigint, run_task
+from orthrus_sim.runner import Task, in_processes, run_task
 
 BACKENDS = ("local", "ray")
 
@@ -107,21 +106,9 @@ def run_local(points: list[Point], max_parallel: int) -> Iterator[PointOutcome]:
             except Exception as exc:  # a point's failure is reported; the others go on
                 yield PointOutcome(p, error=_error_text(exc))
         return
-    import multiprocessing as mp
-
-    with ProcessPoolExecutor(max_parallel, mp_context=mp.get_context("spawn"),
-                             initializer=ignore_sigint) as pool:
-        futures = {pool.submit(run_point, p): p for p in points}
-        try:
-            while futures:
-                done, _ = wait(futures, return_when=FIRST_COMPLETED)
-                for f in done:
-                    p = futures.pop(f)
-                    exc = f.exception()
-                    yield PointOutcome(p, error=_error_text(exc)) if exc else PointOutcome(p, doc=f.result())
-        finally:
-            for f in futures:
-                f.cancel()
+    for p, future in in_processes(run_point, points, max_parallel):
+        exc = future.exception()
+        yield PointOutcome(p, error=_error_text(exc)) if exc else PointOutcome(p, doc=future.result())
 
 
 def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iterator[PointOutcome]:

@@ -21,25 +21,13 @@ from typing import Any
 import numpy as np
 
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
-from orthrus_sim.experiment.quantiles import Quantiles
+from orthrus_sim.experiment.quantiles import Quantiles, summary
 
 SCHEMA = "orthrus.results/1"
-PERCENTILES = {"p50": 50, "p95": 95, "p99": 99}
 KINDS = ("embedding", "generation")
 MIN_COMPLETIONS = 30  # fewer in the window: a warning (a p99 needs more)
 MIN_LIFETIMES = 3.0  # a window shorter than this many mean latencies: a warning
 EPS = 1e-9
-
-
-def summary(values: Sequence[float]) -> dict[str, float | None]:
-    if len(values) == 0:
-        return {"mean": None, "p50": None, "p95": None, "p99": None, "count": 0}
-    arr = np.asarray(values, dtype=float)
-    out: dict[str, float | None] = {"mean": float(arr.mean())}
-    for name, q in PERCENTILES.items():
-        out[name] = float(np.percentile(arr, q))
-    out["count"] = int(arr.size)
-    return out
 
 
 def request_row(req: Request) -> dict:
@@ -54,6 +42,23 @@ def request_row(req: Request) -> dict:
         if req.state is RequestState.FINISHED else None,
         "reject_reason": req.reject_reason,
     }
+
+
+class MeasurementWindow:
+    """The window ``[warmup_s, end]`` of an executor's counters (a replica's busy time, FLOPs
+    and bytes; a server's ``/metrics``): what they read when it opened, at ``warmup_s`` (the
+    executor's clock calls ``open``), or at the start while it has not."""
+
+    def __init__(self, warmup_s: float, at_start: Any) -> None:
+        self.warmup_s = warmup_s
+        self.opening = at_start
+
+    def open(self, counters: Any) -> None:
+        self.opening = counters
+
+    def start(self, end: float) -> float:
+        """Where the window starts for a run that ended at ``end`` (never after it)."""
+        return min(self.warmup_s, end)
 
 
 class RequestLog:
