@@ -190,8 +190,9 @@ def bench(
     except Exception as exc:  # connection refused, server gone: say so plainly
         fail(f"bench against {url} failed: {exc}", 1)
     path = write_results(doc, rows, out)
-    print_runs(console, doc["runs"], f"{sc.name} against {url}", fmt)
-    console.print(f"results: {path}", highlight=False)
+    notes = console if fmt == "table" else make_console(stderr=True)
+    print_runs(console, doc["runs"], f"{sc.name} against {url}", fmt, notes=notes)
+    notes.print(f"results: {path}", highlight=False)
 
 
 @app.command()

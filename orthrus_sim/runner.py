@@ -113,8 +113,11 @@ def run_tasks(tasks: list[Task], workers: int | None = None,
 
 def run_scenario(scenario: Scenario, out: Path, workers: int | None = None,
                  console: Console | None = None, plots_too: bool = True,
-                 fmt: str = "table") -> dict:
+                 fmt: str = "table", wide: bool = False) -> dict:
+    """Run every configuration, write the results set, print the comparison: with ``fmt``
+    csv or json, stdout carries that alone (notes and warnings go to stderr)."""
     console = console or Console()
+    notes = console if fmt == "table" else Console(stderr=True)
     data = scenario_dump(scenario)
     out.mkdir(parents=True, exist_ok=True)
     tasks = [Task(data, cfg, cfg, str(out / f"requests_{safe_name(cfg)}.csv"))
@@ -131,6 +134,6 @@ def run_scenario(scenario: Scenario, out: Path, workers: int | None = None,
         plots.run_plots(scenario.name, runs, {r.configuration: r.requests for r in results},
                         {r.configuration: r.timeline for r in results}, out)
     print_runs(console, runs, f"{scenario.name} ({scenario.cluster.gpus} GPU, {scenario.hardware}, "
-                              f"{scenario.model})", fmt)
-    console.print(f"results: {out / 'results.json'}", highlight=False)
+                              f"{scenario.model})", fmt, wide, notes)
+    notes.print(f"results: {out / 'results.json'}", highlight=False)
     return doc
