@@ -133,8 +133,6 @@ def serve(
 
     Logs what it loaded, then 'orthrus ready: http://HOST:PORT' once it accepts requests.
     """
-    from dataclasses import replace
-
     from orthrus_real.serving import build, setup_logging
     from orthrus_real.serving import serve as run_server
 
@@ -142,10 +140,10 @@ def serve(
         fail(f"--port must be between 1 and 65535, got {port}")
     try:
         setup_logging(log_level)
+        if max_model_len is not None:  # a field like any other: one path for every override
+            set_ = [*set_, f"scheduler.max_model_len={max_model_len}"]
         policy, sched = scheduler_settings(scenario, configuration, set_, policy, token_budget,
                                            chunk_size, max_num_seqs)
-        if max_model_len is not None:
-            sched = replace(sched, max_model_len=max_model_len)
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
                              served_model_name, device, dtype, pooling, threads, backend, api_key)
