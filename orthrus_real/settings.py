@@ -25,17 +25,16 @@ def executor_config(config: SchedulerConfig, num_blocks: int, block_size: int,
                    max_model_len=min(config.max_model_len or model_max_len, model_max_len))
 
 
-def cli_config(overrides: list[str] = (), **knobs) -> SchedulerConfig:
-    """The config of ``--set scheduler.FIELD=VALUE`` overrides and named knobs (those not None:
-    ``token_budget=...``), every other field the core's default; errors name the field."""
+def cli_config(overrides: list[str] = ()) -> SchedulerConfig:
+    """The config of ``--set scheduler.FIELD=VALUE`` overrides (a command line's knobs come as
+    such too), every other field the core's default; an error names the override."""
     from orthrus_sim.experiment.scenario import SchedulerSection, apply_overrides
 
-    section = {k: v for k, v in knobs.items() if v is not None}
     for item in overrides:
         if not item.partition("=")[0].strip().startswith("scheduler."):
             raise ValueError(f"--set {item!r}: without --scenario only scheduler.FIELD=VALUE "
                              f"applies (fields: {', '.join(FIELD_NAMES)})")
-    raw = apply_overrides({"scheduler": section}, list(overrides))
+    raw = apply_overrides({"scheduler": {}}, list(overrides))
     return SchedulerSection.validated(raw["scheduler"], "scheduler settings",
                                       [("--set", o) for o in overrides]).config()
 
@@ -61,8 +60,8 @@ def from_vllm_options(opts: dict, *, block_size: int, num_blocks: int, max_model
         raise ValueError(f"additional_config.orthrus.token_budget ({budget}) exceeds vLLM's "
                          f"max_num_batched_tokens ({max_batched_tokens})")
     values.setdefault("max_num_seqs", max_running)
-    if values.get("chunk_size", 0) is not None:
-        values["chunk_size"] = min(values.get("chunk_size", SchedulerConfig.chunk_size), budget)
+    chunk = values.get("chunk_size", SchedulerConfig().chunk_size)
+    values["chunk_size"] = None if chunk is None else min(chunk, budget)
     config = executor_config(SchedulerConfig(**values, num_blocks=num_blocks), num_blocks,
                              block_size, max_model_len)
     return opts.get("policy", "ibs"), config
