@@ -18,16 +18,13 @@ def make_engine(backend: str, model: str, adapter: str | None = None, policy: st
 
         torch.set_num_threads(threads)
     if backend == "vllm":
-        if scheduler is not None and scheduler.tpot_target_s is not None:
-            raise ValueError("--tpot-target is not carried to --backend vllm yet: serve it with "
-                             "--backend torch")
         if device not in (None, "auto"):
             raise ValueError("--device does not apply to --backend vllm (vLLM picks its platform)")
         from orthrus_real.vllm_backend.engine import VllmEngine
 
         return VllmEngine(model, adapter_dir=adapter, policy=policy, scheduler=scheduler,
                           dtype=dtype, kv_cache_tokens=kv_cache_tokens,
-                          gpu_memory_utilization=gpu_memory_utilization)
+                          gpu_memory_utilization=gpu_memory_utilization, calibration=calibration)
     if gpu_memory_utilization is not None:
         raise ValueError("gpu_memory_utilization applies to --backend vllm only")
     from orthrus_real.engine import Engine

@@ -3,7 +3,8 @@ write ``results.json`` in the simulator's schema, with the per-request CSV and t
 
 The requests are the scenario's, exactly: the workload generator (``orthrus_sim.experiment
 .workload``) decides every request (ids, kinds, lengths, token ids, send times) from the seed, and
-this module's asyncio driver carries its actions out, as the simulator's SimPy driver does.
+the workload's ``interpret`` carries its actions out with this module's driver as its asyncio
+host, as it does with the simulator's SimPy driver.
 Generation requests stream (``stream: true``, ``ignore_eos: true``, so outputs have the sampled
 length) to measure time to first token. Utilisation, budget fill, iterations, preemptions and
 admission waits come from the server's ``/metrics``.
@@ -21,10 +22,11 @@ import httpx
 import numpy as np
 
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
+from orthrus_sim.experiment.quantiles import summarize, summary
 from orthrus_sim.experiment.results import (
+    MeasurementWindow,
     RequestLog,
     results_doc,
-    summary,
     window_warnings,
     write_csv,
     write_json,
@@ -36,11 +38,11 @@ from orthrus_sim.experiment.workload import (
     RequestSpec,
     Retrieve,
     Send,
-    Spawn,
-    Wait,
-    WaitUntil,
     Workload,
+    interpret,
+    run_async,
 )
+from orthrus_sim.files import safe_name
 
 
 class Rejected(Exception):
@@ -207,40 +209,25 @@ class LiveDriver:
         self.retrieval_s.append(time.perf_counter() - start)
         return top
 
-    # ----- the sources ----------------------------------------------------------------------
-    def _spawn(self, client: Client) -> None:
-        self._tasks.append(asyncio.create_task(self._run(client)))
+    # ----- the host of ``interpret``: asyncio awaitables ------------------------------------
+    def issue(self, send: Send):
+        if send.wait:
+            return self.send(send.spec)
+        self._tasks.append(asyncio.create_task(self.send(send.spec)))
+        return None
 
-    async def _run(self, client: Client) -> None:
-        value = None
-        while True:
-            try:
-                action = client.send(value)
-            except StopIteration:
-                return
-            value = None
-            if isinstance(action, Send):
-                if action.wait:
-                    value = await self.send(action.spec)
-                else:
-                    self._tasks.append(asyncio.create_task(self.send(action.spec)))
-            elif isinstance(action, Wait):
-                await asyncio.sleep(action.seconds)
-            elif isinstance(action, WaitUntil):
-                await asyncio.sleep(max(0.0, action.time - self.now()))
-            elif isinstance(action, Spawn):
-                self._spawn(action.client)
-            elif isinstance(action, Retrieve):
-                value = self.retrieve(action)
-            else:
-                raise TypeError(f"unknown workload action {action!r}")
+    def sleep(self, seconds: float):
+        return asyncio.sleep(seconds)
+
+    def spawn(self, client: Client) -> None:
+        self._tasks.append(asyncio.create_task(run_async(interpret(client, self))))
 
     async def run(self, on_progress: Callable[[float], None] | None = None) -> float:
         """Run the workload; returns the end of the window (s). With ``duration_s``, what is
         still in flight at the end is cancelled and reported unfinished."""
         self.t0 = time.monotonic()
         for _, client in self.workload.clients():
-            self._spawn(client)
+            self.spawn(client)
         duration = self.scenario.duration_s
         if duration is not None:
             while self.now() < duration:
@@ -288,22 +275,21 @@ def histogram_summary(before: dict, after: dict, name: str, labels: str) -> dict
     buckets.sort()
     count = buckets[-1][1] if buckets else 0.0
     if count <= 0:
-        return summary([])
+        return summarize(0, None, lambda q: None)
     total = after.get(f"{name}_sum{{{labels}}}", 0.0) - before.get(f"{name}_sum{{{labels}}}", 0.0)
-    out = {"mean": total / count}
-    for q_name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
-        rank, lo, seen = q * count, 0.0, 0.0
+
+    def percentile(q: float) -> float:
+        rank, lo, seen = q / 100 * count, 0.0, 0.0
         for le, cum in buckets:
             if cum >= rank:
                 if le == float("inf"):
-                    out[q_name] = lo
-                else:
-                    inside = cum - seen
-                    out[q_name] = lo + (le - lo) * ((rank - seen) / inside if inside else 1.0)
-                break
+                    return lo
+                inside = cum - seen
+                return lo + (le - lo) * ((rank - seen) / inside if inside else 1.0)
             lo, seen = le, cum
-    out["count"] = int(count)
-    return out
+        return lo
+
+    return summarize(int(count), total / count, percentile)
 
 
 def engine_metrics(before: dict, after: dict, window_s: float, peak_flops: float | None) -> dict:
@@ -339,23 +325,22 @@ async def measure(transport, scenario: Scenario, label: str, token_range: int,
 
     driver = LiveDriver(transport, scenario, token_range)
     await driver.prepare()
-    before = parse_prometheus(await scrape())
-    at_warmup: dict[str, float] = {}
+    window = MeasurementWindow(scenario.warmup_s, parse_prometheus(await scrape()))
 
-    async def mark_window_start() -> None:
+    async def open_window() -> None:
         await asyncio.sleep(scenario.warmup_s)
-        at_warmup.update(parse_prometheus(await scrape()))
+        window.open(parse_prometheus(await scrape()))
 
-    marker = asyncio.create_task(mark_window_start()) if scenario.warmup_s > 0 else None
+    marker = asyncio.create_task(open_window()) if scenario.warmup_s > 0 else None
     wall = time.perf_counter()
     end = await driver.run(on_progress)
     wall = time.perf_counter() - wall
     after = parse_prometheus(await scrape())
     if marker is not None and not marker.done():
         marker.cancel()
-    start = min(scenario.warmup_s, end)
+    start = window.start(end)
     metrics = driver.log.close(end, driver.workflows)
-    measured = engine_metrics(at_warmup or before, after, end - start,
+    measured = engine_metrics(window.opening, after, end - start,
                               get_hardware(scenario.hardware).peak_flops)
     metrics["admission_wait_s"] = measured.pop("admission_wait_s")
     metrics.update(measured)
@@ -399,7 +384,7 @@ def write_results(doc: dict, rows: list[dict], out: Path, plots: bool = True) ->
     out.mkdir(parents=True, exist_ok=True)
     path = write_json(doc, out / "results.json")
     label = doc["runs"][0]["configuration"]
-    write_csv(out / f"requests_{label.replace(':', '_').replace('/', '_')}.csv", rows)
+    write_csv(out / f"requests_{safe_name(label)}.csv", rows)
     if plots and rows:
         from orthrus_sim import plots as plotting  # matplotlib only when writing plots
 

@@ -253,7 +253,8 @@ def write(cal: CalibrationFile, rows: list[dict], out: Path) -> Path:
     return csv_path
 
 
-def calibration_engine(model_dir: str, adapter_dir: str | None, token_budget: int = 2048,
+def calibration_engine(model_dir: str, adapter_dir: str | None,
+                       scheduler: SchedulerConfig | None = None,
                        kv_cache_tokens: int = 131072, threads: int = 0,
                        backend: str = "torch") -> EngineThread:
     """An engine thread (built and stepped in its own thread, as in serving), started."""
@@ -262,7 +263,7 @@ def calibration_engine(model_dir: str, adapter_dir: str | None, token_budget: in
 
     def make():
         return make_engine(backend, model_dir, adapter_dir, "ibs",
-                           SchedulerConfig(token_budget=token_budget, chunk_size=512),
+                           scheduler or SchedulerConfig(),
                            kv_cache_tokens, threads=threads)
 
     runner = EngineThread(make, max_queued=10**6)

@@ -60,10 +60,12 @@ def init_model_cmd(
                   highlight=False)
 
 
-def _chunk(value: str) -> int | None:
-    """``--chunk-size``: tokens, or none/null for atomic embeddings."""
-    if value.lower() in ("none", "null"):
+def _chunk(value: str | None) -> int | None | str:
+    """``--chunk-size``: tokens, or none/null for atomic embeddings (None: not given)."""
+    if value is None:
         return None
+    if value.lower() in ("none", "null"):
+        return "null"
     try:
         return int(value)
     except ValueError:
@@ -71,21 +73,29 @@ def _chunk(value: str) -> int | None:
 
 
 def scheduler_settings(scenario: str | None, configuration: str | None, set_: list[str],
-                       policy: str, token_budget: int, chunk_size: str, max_num_seqs: int):
+                       policy: str, token_budget: int | None = None, chunk_size: str | None = None,
+                       max_num_seqs: int | None = None):
     """The policy and ``SchedulerConfig`` to serve: from a scenario through the plan (the same
-    mapping the simulator uses), or from the command-line knobs."""
-    from orthrus_sim.engine import SchedulerConfig
+    mapping the simulator uses), or from the command-line knobs and ``--set scheduler.FIELD=V``
+    (every field of ``SchedulerConfig``, its defaults the core's)."""
+    from orthrus_real.settings import cli_config
 
     if scenario is None:
         if configuration is not None:
             raise ValueError("--configuration needs --scenario")
-        return policy, SchedulerConfig(token_budget=token_budget, chunk_size=_chunk(chunk_size),
-                                       max_num_seqs=max_num_seqs)
+        chunk = _chunk(chunk_size)
+        knobs = [f"scheduler.{k}={v}" for k, v in (("token_budget", token_budget),
+                                                   ("chunk_size", chunk),
+                                                   ("max_num_seqs", max_num_seqs)) if v is not None]
+        return policy, cli_config(knobs + list(set_))
     from orthrus_sim.experiment.plan import engine_plan
     from orthrus_sim.experiment.scenario import load_scenario
 
     sc = load_scenario(scenario, set_)
     return engine_plan(sc, configuration or sc.configurations[0])
+
+
+KNOB_HELP = "(default: SchedulerConfig's; any field: --set scheduler.FIELD=VALUE)"
 
 
 @app.command()
@@ -95,14 +105,15 @@ def serve(
     policy: str = typer.Option("ibs", help="policy name (ibs: Orthrus's IBS) or module:Class"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8000, help="TCP port, 1-65535"),
-    token_budget: int = typer.Option(2048),
-    chunk_size: str = typer.Option("512", help="tokens per embedding chunk, or none (atomic)"),
-    max_num_seqs: int = typer.Option(256),
+    token_budget: int = typer.Option(None, help=f"tokens per iteration {KNOB_HELP}"),
+    chunk_size: str = typer.Option(None, help="tokens per embedding chunk, or none (atomic)"),
+    max_num_seqs: int = typer.Option(None, help="most generation requests running at once"),
     scenario: str = typer.Option(None, "--scenario", help="take the policy and scheduler knobs from "
                                  "this scenario's plan (replaces --policy and the knobs above)"),
     configuration: str = typer.Option(None, "--configuration", help="with --scenario: the unified "
                                       "configuration to serve (default: its first)"),
-    set_: list[str] = typer.Option([], "--set", help="with --scenario: override a field"),
+    set_: list[str] = typer.Option([], "--set", help="override a field: with --scenario any "
+                                   "scenario field, else scheduler.FIELD=VALUE"),
     kv_cache_tokens: int = typer.Option(32768, help="KV-cache capacity in tokens"),
     max_queued: int = typer.Option(1024, help="requests in flight before 429"),
     max_body_bytes: int = typer.Option(1 << 20, help="larger request bodies get 413"),
@@ -126,8 +137,6 @@ def serve(
 
     Logs what it loaded, then 'orthrus ready: http://HOST:PORT' once it accepts requests.
     """
-    from dataclasses import replace
-
     from orthrus_real.serving import build, setup_logging
     from orthrus_real.serving import serve as run_server
 
@@ -135,12 +144,12 @@ def serve(
         fail(f"--port must be between 1 and 65535, got {port}")
     try:
         setup_logging(log_level)
+        if max_model_len is not None:  # a field like any other: one path for every override
+            set_ = [*set_, f"scheduler.max_model_len={max_model_len}"]
+        if tpot_target is not None:
+            set_ = [*set_, f"scheduler.tpot_target_s={tpot_target}"]
         policy, sched = scheduler_settings(scenario, configuration, set_, policy, token_budget,
                                            chunk_size, max_num_seqs)
-        if max_model_len is not None:
-            sched = replace(sched, max_model_len=max_model_len)
-        if tpot_target is not None:
-            sched = replace(sched, tpot_target_s=tpot_target)
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
                              served_model_name, device, dtype, pooling, threads, backend, api_key,
@@ -186,8 +195,9 @@ def bench(
     except Exception as exc:  # connection refused, server gone: say so plainly
         fail(f"bench against {url} failed: {exc}", 1)
     path = write_results(doc, rows, out)
-    print_runs(console, doc["runs"], f"{sc.name} against {url}", fmt)
-    console.print(f"results: {path}", highlight=False)
+    notes = console if fmt == "table" else make_console(stderr=True)
+    print_runs(console, doc["runs"], f"{sc.name} against {url}", fmt, notes=notes)
+    notes.print(f"results: {path}", highlight=False)
 
 
 @app.command()
@@ -200,7 +210,8 @@ def calibrate(
     quick: bool = typer.Option(False, help="a small grid (smoke tests)"),
     load_seconds: float = typer.Option(60.0, help="seconds of mixed serving load profiled after "
                                                   "the grid (0: grid only)"),
-    token_budget: int = typer.Option(2048),
+    token_budget: int = typer.Option(None, help=f"tokens per iteration {KNOB_HELP}"),
+    set_: list[str] = typer.Option([], "--set", help="scheduler.FIELD=VALUE"),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
     backend: str = typer.Option("torch", help=BACKEND_HELP),
 ) -> None:
@@ -212,8 +223,9 @@ def calibrate(
 
     try:
         rank = adapter_rank(embedding_adapter) if embedding_adapter else None
+        _, sched = scheduler_settings(None, None, set_, "ibs", token_budget)
         runner = cal.calibration_engine(str(model), str(embedding_adapter) if embedding_adapter else None,
-                                        token_budget, threads=threads, backend=backend)
+                                        sched, threads=threads, backend=backend)
         grid = cal.default_grid(quick)
         with Progress(console=console) as bar:
             task = bar.add_task("profiling", total=len(grid))

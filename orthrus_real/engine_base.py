@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from orthrus_real.model_files import read_config
 from orthrus_real.sampling import SamplingParams
+from orthrus_real.settings import executor_config
 from orthrus_sim.costmodel.predictor import calibrated_predictor
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine import (
@@ -111,10 +112,8 @@ class EngineBase:
         """The core policy, with the engine's KV capacity and the model's length limit; an
         iteration-time target is predicted by the cost model fitted to this engine
         (``calibration``, from ``orthrus-real calibrate``)."""
-        self.scheduler_config = replace(
-            scheduler, num_blocks=num_blocks, block_size=block_size,
-            max_model_len=min(scheduler.max_model_len or self.cfg.max_model_len,
-                              self.cfg.max_model_len))
+        self.scheduler_config = executor_config(scheduler, num_blocks, block_size,
+                                                self.cfg.max_model_len)
         predictor = None
         if scheduler.tpot_target_s is not None:
             if calibration is None:

@@ -23,6 +23,7 @@ from orthrus_real.serving import wait_healthy
 from orthrus_sim.experiment.plan import engine_plan, is_unified
 from orthrus_sim.experiment.results import results_doc, write_json
 from orthrus_sim.experiment.scenario import Scenario, load_scenario, parse_scenario, scenario_dump
+from orthrus_sim.files import safe_name
 
 # metric paths compared (dotted into results.json metrics)
 COMPARED = (
@@ -82,7 +83,7 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
     port = _free_port()
     scenario_file = out / "scenario.yaml"
     scenario_file.write_text(yaml.safe_dump(scenario_dump(sc), sort_keys=False))
-    log = out / f"server_{configuration.replace(':', '_')}.log"
+    log = out / f"server_{safe_name(configuration)}.log"
     cmd = [sys.executable, "-m", "orthrus_real.cli", "serve", "--model", model_dir, "--port", str(port),
            "--scenario", str(scenario_file), "--configuration", configuration,
            "--kv-cache-tokens", str(kv_cache_tokens), "--max-queued", "100000",

@@ -38,7 +38,9 @@ def run(
     out: Path = typer.Option(Path("out"), "--out", help="directory for results.json, CSVs, PNGs"),
     set_: list[str] = typer.Option([], "--set", help="override a field: section.key=value (YAML)"),
     workers: int = typer.Option(0, help="parallel processes (0: one per CPU)"),
-    fmt: str = typer.Option("table", "--format", help="table | csv | json (the comparison on stdout)"),
+    fmt: str = typer.Option("table", "--format", help="table | csv | json (the comparison on "
+                            "stdout, and nothing else for csv and json)"),
+    wide: bool = typer.Option(False, "--wide", help="every column (the default fits 80)"),
 ) -> None:
     """Run every configuration listed in the scenario and compare them."""
     from orthrus_sim.experiment.scenario import load_scenario
@@ -46,7 +48,7 @@ def run(
 
     try:
         sc = load_scenario(scenario, set_)
-        run_scenario(sc, out, workers or None, console, fmt=_format(fmt))
+        run_scenario(sc, out, workers or None, console, fmt=_format(fmt), wide=wide)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:

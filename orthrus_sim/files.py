@@ -1,4 +1,5 @@
-"""Read a JSON or YAML file, with errors that name the file and what it was meant to be."""
+"""Files: read a JSON or YAML file (errors name the file and what it was meant to be), resolve
+a scenario's relative paths, and name results files."""
 
 from __future__ import annotations
 
@@ -37,3 +38,9 @@ def resolve_path(value: str | Path, info: Any = None, must_exist: bool = True) -
     if must_exist and not path.exists():
         raise ValueError(f"file {path} does not exist")
     return path
+
+
+def safe_name(name: str) -> str:
+    """A configuration name as part of a file name (``unified:pkg.mod:Cls`` has ':' and may
+    have '/'): the one rule for every results file."""
+    return name.replace(":", "_").replace("/", "_")

@@ -2,7 +2,7 @@
 queue over time per GPU, and sweeps.
 
 Each configuration keeps one colour, line style and marker in every plot, so lines that lie on
-top of each other (Orthrus and Unified-Hetero often do) stay distinguishable.
+top of each other stay distinguishable; in the timeline each GPU has its own labelled line.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"), ((0, (1, 1)), "P")]
 
@@ -37,12 +37,16 @@ def _finish(fig, axes, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _log_x(ax) -> None:
-    """A log x-axis labelled 0.1, 1, 10 (not 10^0 or 2x10^0)."""
+def _x_scale(ax, values: list[float]) -> None:
+    """A log x-axis when the values span more than a decade, ticked at 1-2-5 steps and
+    labelled as plain numbers (0.02, 0.05, 0.1); a linear one otherwise, so a narrow spread
+    (TPOT: 0.02-0.04 s) still gets numbers on its axis."""
+    positive = [v for v in values if v > 0]
+    if not positive or max(positive) / min(positive) < 10:
+        return
     ax.set_xscale("log")
-    fmt = ScalarFormatter()
-    fmt.set_scientific(False)
-    ax.xaxis.set_major_formatter(fmt)
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
@@ -82,6 +86,7 @@ def latency_cdfs(runs: list[dict], requests: dict[str, list[dict]], path: Path, 
               ("time to first token (s)", "generation", "ttft"),
               ("time per output token (s)", "generation", "tpot")]
     for ax, (label, kind, what) in zip(axes.flat, panels):
+        shown: list[float] = []
         for i, run in enumerate(runs):
             rows = [r for r in requests[run["configuration"]]
                     if r["kind"] == kind and r["latency_s"] is not None]
@@ -94,34 +99,44 @@ def latency_cdfs(runs: list[dict], requests: dict[str, list[dict]], path: Path, 
                           for r in rows if r["output_tokens"] > 1]
             values = [v for v in values if v > 0]
             _cdf(ax, values, i, run["configuration"])
-        _log_x(ax)
+            shown += values
+        _x_scale(ax, shown)
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")
     _finish(fig, list(axes.flat), path, title)
 
 
 def timelines_plot(runs: list[dict], timeline: dict[str, list[dict]], path: Path, title: str) -> None:
-    """Per configuration: each GPU's busy fraction and MFU over time, and requests waiting."""
-    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
-    for i, run in enumerate(runs):
+    """One row per configuration: each GPU's busy fraction and MFU over time, a labelled line
+    per GPU; the last row: requests waiting and mean KV-cache use, per configuration."""
+    runs = [r for r in runs if timeline.get(r["configuration"])]
+    n = max(1, len(runs))
+    fig, axes = plt.subplots(n + 1, 2, figsize=(12, 2.2 * (n + 1)), sharex=True, squeeze=False)
+    for row, run in enumerate(runs):
         rows = timeline[run["configuration"]]
-        if not rows:
-            continue
         t = [r["time_s"] for r in rows]
         gpus = sorted(int(k.split("_")[1]) for k in rows[0] if k.startswith("busy_"))
-        st = style(i)
         for g in gpus:
-            kw = dict(st, marker=None, alpha=0.35 + 0.65 / len(gpus), linewidth=1.0)
-            axes[0].plot(t, [r[f"busy_{g}"] for r in rows],
-                         label=run["configuration"] if g == gpus[0] else None, **kw)
-            axes[1].plot(t, [r.get(f"mfu_{g}", 0.0) for r in rows], **kw)
-        axes[2].plot(t, [r["queue_length"] for r in rows], label=run["configuration"], **st)
-    axes[0].set_ylabel("busy, per GPU")
-    axes[0].set_ylim(0, 1.05)
-    axes[1].set_ylabel("MFU, per GPU")
-    axes[2].set_ylabel("requests waiting")
-    axes[2].set_xlabel("time (s)")
-    _finish(fig, axes, path, title)
+            kw = {"color": f"C{g % 10}", "linewidth": 1.0, "label": f"GPU {g}"}
+            axes[row][0].plot(t, [r[f"busy_{g}"] for r in rows], **kw)
+            axes[row][1].plot(t, [r.get(f"mfu_{g}", 0.0) for r in rows], **kw)
+        axes[row][0].set_ylabel(f"{run['configuration']}\nbusy")
+        axes[row][0].set_ylim(0, 1.05)
+        axes[row][1].set_ylabel("MFU")
+    for i, run in enumerate(runs):
+        rows = timeline[run["configuration"]]
+        t = [r["time_s"] for r in rows]
+        kv = [[v for k, v in r.items() if k.startswith("kv_usage_")] for r in rows]
+        st = dict(style(i), marker=None)
+        axes[n][0].plot(t, [r["queue_length"] for r in rows], label=run["configuration"], **st)
+        axes[n][1].plot(t, [sum(v) / len(v) if v else 0.0 for v in kv], label=run["configuration"],
+                        **st)
+    axes[n][0].set_ylabel("requests waiting")
+    axes[n][1].set_ylabel("KV use (mean of GPUs)")
+    axes[n][1].set_ylim(0, 1.05)
+    for ax in axes[n]:
+        ax.set_xlabel("time (s)")
+    _finish(fig, list(axes.flat), path, title)
 
 
 def _number(v) -> float | None:
@@ -131,22 +146,35 @@ def _number(v) -> float | None:
         return None
 
 
-def sweep_plot(points: list[dict], key: str, path: Path, title: str) -> None:
-    """Combined throughput against the first grid key: at its numeric values when they are
-    numbers (0, 0.1, 0.5, 0.9, 1 are not evenly spaced), else in grid order."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+def sweep_plot(points: list[dict], keys: list[str], path: Path, title: str) -> None:
+    """Combined throughput against the first grid key (at its numeric values when they are
+    numbers: 0, 0.1, 0.5, 0.9, 1 are not evenly spaced, else in grid order), one panel per
+    combination of the other keys' values, so a 2-D grid shows all of it."""
+    key, others = keys[0], keys[1:]
+    panels: dict[tuple, list[dict]] = {}
+    for p in points:
+        panels.setdefault(tuple(p["overrides"].get(k) for k in others), []).append(p)
     configs = list(dict.fromkeys(run["configuration"] for p in points for run in p["runs"]))
-    raw_x = [p["overrides"].get(key) for p in points]
-    nums = [_number(v) for v in raw_x]
-    numeric = all(n is not None for n in nums)
-    xs = nums if numeric else list(range(len(points)))
-    for i, cfg in enumerate(configs):
-        pairs = [(x, next((run["metrics"]["throughput_rps"]["combined"] for run in p["runs"]
-                           if run["configuration"] == cfg), np.nan)) for x, p in zip(xs, points)]
-        pairs.sort(key=lambda xy: xy[0])
-        ax.plot([x for x, _ in pairs], [y for _, y in pairs], label=cfg, **dict(style(i), markevery=1))
-    if not numeric:
-        ax.set_xticks(xs, [str(v) for v in raw_x], rotation=20, ha="right")
-    ax.set_xlabel(key)
-    ax.set_ylabel("combined throughput (requests / s)")
-    _finish(fig, [ax], path, title)
+    cols = min(3, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4 * nrows), squeeze=False)
+    for ax, (values, pts) in zip(axes.flat, panels.items()):
+        raw_x = [p["overrides"].get(key) for p in pts]
+        nums = [_number(v) for v in raw_x]
+        numeric = all(n is not None for n in nums)
+        xs = nums if numeric else list(range(len(pts)))
+        for i, cfg in enumerate(configs):
+            pairs = [(x, next((run["metrics"]["throughput_rps"]["combined"] for run in p["runs"]
+                               if run["configuration"] == cfg), np.nan)) for x, p in zip(xs, pts)]
+            pairs.sort(key=lambda xy: xy[0])
+            ax.plot([x for x, _ in pairs], [y for _, y in pairs], label=cfg,
+                    **dict(style(i), markevery=1))
+        if not numeric:
+            ax.set_xticks(xs, [str(v) for v in raw_x], rotation=20, ha="right")
+        if others:
+            ax.set_title(", ".join(f"{k}={v}" for k, v in zip(others, values)), fontsize=9)
+        ax.set_xlabel(key)
+        ax.set_ylabel("combined throughput (requests / s)")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    _finish(fig, list(axes.flat)[:len(panels)], path, title)

@@ -6,15 +6,18 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orthrus_sim.experiment.results import print_runs, results_doc, write_csv, write_json
 from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump
+from orthrus_sim.files import safe_name
 from orthrus_sim.sim.run import RunResult, simulate
 
 
@@ -51,6 +54,29 @@ def ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent reports Ctrl-C once
 
 
+def in_processes(fn: Callable[[Any], Any], items: list, workers: int,
+                 poll: Callable[[], None] | None = None) -> Iterator[tuple[Any, Future]]:
+    """``fn(item)`` for every item in ``workers`` spawned processes (Ctrl-C reaches the parent
+    only), yielding ``(item, future)`` as each finishes; ``poll()`` runs every 0.1 s while they
+    work (progress). What has not started when the caller stops (or Ctrl-C) is cancelled.
+    The one process pool of runs and sweeps."""
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=ignore_sigint) as pool:
+        futures = {pool.submit(fn, item): item for item in items}
+        try:
+            while futures:
+                done, _ = wait(futures, timeout=0.1 if poll else None, return_when=FIRST_COMPLETED)
+                if poll is not None:
+                    poll()
+                for f in done:
+                    yield futures.pop(f), f
+        finally:
+            for f in futures:
+                f.cancel()
+            if futures:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+
 def run_tasks(tasks: list[Task], workers: int | None = None,
               console: Console | None = None) -> list[RunResult]:
     """Run the tasks with a progress bar, in worker processes when there are several CPUs."""
@@ -66,53 +92,48 @@ def run_tasks(tasks: list[Task], workers: int | None = None,
                 results.append(run_task(t, lambda f, label=t.label: bar.update(ids[label], completed=f)))
                 bar.update(ids[t.label], completed=1.0)
             return results
-        ctx = mp.get_context("spawn")
-        with ctx.Manager() as manager, ProcessPoolExecutor(
-                workers, mp_context=ctx, initializer=ignore_sigint) as pool:
+        with mp.get_context("spawn").Manager() as manager:
             q = manager.Queue()
-            futures = [pool.submit(_run_in_worker, (t, q)) for t in tasks]
-            try:
-                while not all(f.done() for f in futures):
+
+            def drain() -> None:
+                while True:
                     try:
-                        label, frac = q.get(timeout=0.1)
-                        bar.update(ids[label], completed=frac)
+                        label, frac = q.get_nowait()
                     except queue.Empty:
-                        pass
-            except KeyboardInterrupt:
-                for f in futures:
-                    f.cancel()
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
-            results = [f.result() for f in futures]
-            for label in ids:
-                bar.update(ids[label], completed=1.0)
-            return results
+                        return
+                    bar.update(ids[label], completed=frac)
 
-
-def _safe(name: str) -> str:
-    return name.replace(":", "_").replace("/", "_")
+            done = {}
+            for (task, _), future in in_processes(_run_in_worker, [(t, q) for t in tasks],
+                                                  workers, drain):
+                done[task.label] = future.result()
+                bar.update(ids[task.label], completed=1.0)
+            return [done[t.label] for t in tasks]
 
 
 def run_scenario(scenario: Scenario, out: Path, workers: int | None = None,
                  console: Console | None = None, plots_too: bool = True,
-                 fmt: str = "table") -> dict:
+                 fmt: str = "table", wide: bool = False) -> dict:
+    """Run every configuration, write the results set, print the comparison: with ``fmt``
+    csv or json, stdout carries that alone (notes and warnings go to stderr)."""
     console = console or Console()
+    notes = console if fmt == "table" else Console(stderr=True)
     data = scenario_dump(scenario)
     out.mkdir(parents=True, exist_ok=True)
-    tasks = [Task(data, cfg, cfg, str(out / f"requests_{_safe(cfg)}.csv"))
+    tasks = [Task(data, cfg, cfg, str(out / f"requests_{safe_name(cfg)}.csv"))
              for cfg in scenario.configurations]
     results = run_tasks(tasks, workers)
     runs = [{"configuration": r.configuration, "metrics": r.metrics} for r in results]
     doc = results_doc(data, runs)
     write_json(doc, out / "results.json")
     for r in results:
-        write_csv(out / f"timeline_{_safe(r.configuration)}.csv", r.timeline)
+        write_csv(out / f"timeline_{safe_name(r.configuration)}.csv", r.timeline)
     if plots_too:
         from orthrus_sim import plots
 
         plots.run_plots(scenario.name, runs, {r.configuration: r.requests for r in results},
                         {r.configuration: r.timeline for r in results}, out)
     print_runs(console, runs, f"{scenario.name} ({scenario.cluster.gpus} GPU, {scenario.hardware}, "
-                              f"{scenario.model})", fmt)
-    console.print(f"results: {out / 'results.json'}", highlight=False)
+                              f"{scenario.model})", fmt, wide, notes)
+    notes.print(f"results: {out / 'results.json'}", highlight=False)
     return doc

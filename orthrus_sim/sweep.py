@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orthrus_sim.experiment.results import format_rows, results_doc, write_json
 from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump, split_gpus
-from orthrus_sim.runner import Task, ignore_sigint, run_task
+from orthrus_sim.runner import Task, in_processes, run_task
 
 BACKENDS = ("local", "ray")
 
@@ -69,8 +68,8 @@ def plan_sweep(raw: dict, overrides: list[str], grid: list[str], base_dir: Path 
     points = []
     for i, combo in enumerate(itertools.product(*[vals for _, vals in axes])):
         point_over = [f"{k}={v}" for (k, _), v in zip(axes, combo)]
-        sc = parse_scenario(raw, f"grid point {', '.join(point_over)}", overrides + point_over,
-                            base_dir, check_fit=False)
+        sc = parse_scenario(raw, f"{source} at grid point {', '.join(point_over)}", overrides,
+                            base_dir, check_fit=False, grid=point_over)
         fits, skipped = [], {}
         for cfg in sc.configurations:
             try:
@@ -107,21 +106,9 @@ def run_local(points: list[Point], max_parallel: int) -> Iterator[PointOutcome]:
             except Exception as exc:  # a point's failure is reported; the others go on
                 yield PointOutcome(p, error=_error_text(exc))
         return
-    import multiprocessing as mp
-
-    with ProcessPoolExecutor(max_parallel, mp_context=mp.get_context("spawn"),
-                             initializer=ignore_sigint) as pool:
-        futures = {pool.submit(run_point, p): p for p in points}
-        try:
-            while futures:
-                done, _ = wait(futures, return_when=FIRST_COMPLETED)
-                for f in done:
-                    p = futures.pop(f)
-                    exc = f.exception()
-                    yield PointOutcome(p, error=_error_text(exc)) if exc else PointOutcome(p, doc=f.result())
-        finally:
-            for f in futures:
-                f.cancel()
+    for p, future in in_processes(run_point, points, max_parallel):
+        exc = future.exception()
+        yield PointOutcome(p, error=_error_text(exc)) if exc else PointOutcome(p, doc=future.result())
 
 
 def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iterator[PointOutcome]:
@@ -193,12 +180,13 @@ def run_sweep(raw: dict, overrides: list[str], grid: list[str], out: Path,
     """Run (or resume) a sweep and write ``sweep.json``; ``ray``: None (local processes),
     "auto" or "local"."""
     console = console or Console()
+    notes = console if fmt == "table" else Console(stderr=True)  # csv/json: stdout is only that
     base, axes, points = plan_sweep(raw, overrides, grid, base_dir, source)
     if not any(p.scenario["configurations"] for p in points):
         raise ValueError("every point of the grid was skipped: nothing to run")
     for p in points:
         for cfg, reason in p.skipped.items():
-            console.print(f"skipped {cfg} at {p.overrides}: {reason}", highlight=False)
+            notes.print(f"skipped {cfg} at {p.overrides}: {reason}", highlight=False)
     point_dir = out / "points"
     outcomes: dict[str, PointOutcome] = {}
     for p in points:
@@ -207,7 +195,7 @@ def run_sweep(raw: dict, overrides: list[str], grid: list[str], out: Path,
             outcomes[p.name] = PointOutcome(p, doc=doc, resumed=True)
     todo = [p for p in points if p.name not in outcomes]
     if outcomes:
-        console.print(f"{len(outcomes)} of {len(points)} points already in {point_dir}: skipped",
+        notes.print(f"{len(outcomes)} of {len(points)} points already in {point_dir}: skipped",
                       highlight=False)
     if todo:
         if ray is not None:
@@ -216,12 +204,12 @@ def run_sweep(raw: dict, overrides: list[str], grid: list[str], out: Path,
             finished = run_local(todo, max(1, min(max_parallel or os.cpu_count() or 1, len(todo))))
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("points"), TimeElapsedColumn())
-        with Progress(*columns, console=console) as bar:
+        with Progress(*columns, console=notes) as bar:
             task = bar.add_task(f"sweep on {'Ray' if ray else 'local processes'}", total=len(todo))
             for outcome in finished:
                 p = outcome.point
                 if outcome.error is not None:
-                    console.print(f"[red]point {p.name} {p.overrides} failed:[/] {outcome.error}",
+                    notes.print(f"[red]point {p.name} {p.overrides} failed:[/] {outcome.error}",
                                   highlight=False)
                     write_json({"overrides": p.overrides, "error": outcome.error},
                                point_dir / p.name / "error.json")
@@ -236,12 +224,13 @@ def run_sweep(raw: dict, overrides: list[str], grid: list[str], out: Path,
     if any(p["runs"] for p in doc["points"]):
         from orthrus_sim import plots
 
-        plots.sweep_plot([p for p in doc["points"] if p["runs"]], axes[0][0], out / "sweep.png",
-                         f"{base.name}: sweep over {axes[0][0]}")
-    console.print(f"results: {out / 'sweep.json'}", highlight=False)
+        keys = [k for k, _ in axes]
+        plots.sweep_plot([p for p in doc["points"] if p["runs"]], keys, out / "sweep.png",
+                         f"{base.name}: sweep over {' x '.join(keys)}")
+    notes.print(f"results: {out / 'sweep.json'}", highlight=False)
     failed = doc["failed"]
     if failed:
-        console.print(f"[red]{len(failed)} of {len(points)} points failed[/] (listed in sweep.json; "
+        notes.print(f"[red]{len(failed)} of {len(points)} points failed[/] (listed in sweep.json; "
                       "run the same command again to retry them)", highlight=False)
     return doc
 

@@ -321,3 +321,43 @@ def test_l2_normalisation_does_not_overflow_or_divide_zero(dtype):
         pooler = IncrementalPooler(head, normalize=True)
         pooler.update(np.array([[300, 400]], dtype=dtype))
         np.testing.assert_allclose(pooler.result(), [0.6, 0.8], rtol=1e-6)
+
+
+@pytest.mark.parametrize("state", ["waiting", "running"])
+def test_re_adding_a_live_request_names_the_duplicate_id(state):
+    policy = make_policy("ibs", SchedulerConfig(token_budget=64, chunk_size=32))
+    (req,) = make_requests([("generation", 0, 10, 5)])
+    policy.add(req)
+    if state == "running":
+        policy.complete(policy.schedule(), 1.0)
+        assert req.state is RequestState.RUNNING
+    with pytest.raises(ValueError, match=rf"request id '{req.request_id}' is already here \({state}\)"):
+        policy.add(req)
+    other = Request(req.request_id, RequestKind.EMBEDDING, 2.0, 8)  # a new request, same id
+    with pytest.raises(ValueError, match="ids must be unique"):
+        policy.add(other)
+
+
+def test_unified_homo_gets_no_decode_run_while_an_embedding_waits():
+    """The issue's reproduction: Unified-Homo picks its side by waiting time, so a run of
+    decodes announced while an embedding waits would be wrong (the next schedule picks the
+    embedding)."""
+    from orthrus_sim.engine.decode_run import steady_decode_phases
+
+    def steps(clock_free: bool):
+        policy = make_policy("unified-homo", SchedulerConfig(token_budget=64, chunk_size=64))
+        policy.clock_free = clock_free
+        policy.add(Request("g", RequestKind.GENERATION, 0.0, 8, max_output_tokens=10), 0.0)
+        policy.complete(policy.schedule(0.0), 1.0)
+        policy.add(Request("e1", RequestKind.EMBEDDING, 0.5, 64), 0.5)
+        policy.complete(policy.schedule(1.0), 2.0)
+        policy.add(Request("e2", RequestKind.EMBEDDING, 1.5, 64), 1.5)
+        batch = policy.schedule(2.0)
+        phases = steady_decode_phases(policy, batch)
+        policy.complete(batch, 3.0)
+        return phases, policy.schedule(3.0)
+
+    phases, after = steps(clock_free=False)
+    assert phases == [] and any(it.kind is ItemKind.EMBED_CHUNK for it in after.items)
+    phases, _ = steps(clock_free=True)  # as before the fix: a 9-step run the next batch breaks
+    assert phases and phases[-1][0] == 9

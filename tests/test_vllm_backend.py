@@ -336,3 +336,52 @@ def test_segment_lora_ops_equal_vllms_and_skip_tokens_without_adapter():
     out = torch.zeros(T, d_out)
     seg.sgmv_expand(xs, b, out, *no_adapter, True)
     assert out[10:15].abs().max() == 0 and out[:10].abs().max() > 0
+
+
+def test_the_plug_in_runs_the_whole_config_it_is_handed(model64):
+    """Issue 25: the plug-in got a hand-picked subset (no kv_admission: reserve ran as
+    optimistic). Every field but those vLLM decides now arrives, non-default values included."""
+    from tests.test_settings import CARRIED, other_value
+
+    cfg = SchedulerConfig(**{n: other_value(n) for n in CARRIED})
+    eng = VllmEngine(model64, scheduler=cfg, kv_cache_tokens=4096,
+                     calibration="calibration/cpu-2core-small-vllm.json")
+    try:
+        for name in CARRIED:
+            assert getattr(eng.policy.config, name) == getattr(cfg, name), name
+    finally:
+        eng.close()
+
+
+def test_the_plug_in_keeps_decode_iterations_within_its_calibrated_target(model64):
+    """``--backend vllm --tpot-target --calibration``: the policy inside vLLM's scheduler predicts
+    with the calibration's cost model, cuts chunks beside decodes, and the greedy outputs are
+    those of the plug-in without a target."""
+    from orthrus_sim.costmodel import calibrated_predictor
+    from orthrus_sim.engine import BatchItem, BatchUnit, ItemKind, Request, RequestKind
+
+    cal = "calibration/cpu-2core-small-vllm.json"
+    probe = calibrated_predictor(cal, str(model64), 4)
+    req = Request("p", RequestKind.GENERATION, 0.0, 40, max_output_tokens=8)
+    alone = BatchUnit(64)
+    alone.add_decodes([BatchItem(req, ItemKind.DECODE, 40, 1)] * 2)
+    target = 1.2 * probe.predict(alone)
+
+    def run(scheduler):
+        eng = VllmEngine(model64, adapter_dir=model64 / "adapter", scheduler=scheduler,
+                         kv_cache_tokens=16384, calibration=cal)
+        for i in range(2):
+            eng.add_generation(f"g{i}", token_ids=list(range(5 + i, 45 + i)),
+                               params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        eng.add_embedding("e", token_ids=list(range(7, 207)))
+        try:
+            return eng.run_until_idle(), eng.policy
+        finally:
+            eng.close()
+
+    base, _ = run(SCHED)
+    out, policy = run(SchedulerConfig(token_budget=64, chunk_size=16, max_num_seqs=8,
+                                      max_model_len=1024, tpot_target_s=target, min_chunk_tokens=8))
+    assert policy.target is not None and policy.target.target_s == target
+    assert [out[f"g{i}"].token_ids for i in range(2)] == [base[f"g{i}"].token_ids for i in range(2)]
+    np.testing.assert_allclose(out["e"].embedding, base["e"].embedding, atol=1e-4)

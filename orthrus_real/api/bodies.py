@@ -159,9 +159,6 @@ class CompletionBody(_Sampling):
         return [{"text": x} if isinstance(x, str) else {"token_ids": list(x)} for x in v]
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-
-
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]

@@ -14,10 +14,12 @@ pooled vectors and sampled tokens. Stop strings are applied here, as vLLM's fron
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from orthrus_real.engine_base import EngineBase, RequestOutput
 from orthrus_real.model_files import read_adapter
+from orthrus_real.settings import to_vllm_options
 from orthrus_real.vllm_backend.support import check_policy, check_vllm, prepare_environment
 from orthrus_sim.engine import Request, SchedulerConfig
 
@@ -28,7 +30,8 @@ class VllmEngine(EngineBase):
     def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None,
                  policy: str = "ibs", scheduler: SchedulerConfig | None = None,
                  dtype: str | None = None, kv_cache_tokens: int = 32768,
-                 max_num_embeds: int = 64, gpu_memory_utilization: float | None = None) -> None:
+                 max_num_embeds: int = 64, gpu_memory_utilization: float | None = None,
+                 calibration: str | None = None) -> None:
         check_policy(policy)
         self.vllm_version = check_vllm()
         prepare_environment()
@@ -54,17 +57,25 @@ class VllmEngine(EngineBase):
                              max_lora_rank=next(r for r in LORA_RANKS if r >= rank))
         if gpu_memory_utilization is not None:  # engines sharing one GPU (the dedicated split)
             engine_args["gpu_memory_utilization"] = gpu_memory_utilization
-        embeds = base.max_num_embeds or max_num_embeds
+        # request slots of vLLM's input batch: embeddings need a cap of their own here
+        base = replace(base, max_num_embeds=base.max_num_embeds or max_num_embeds)
+        orthrus = to_vllm_options(base, policy)  # the whole config (issue 25: kv_admission)
+        if base.tpot_target_s is not None:
+            if calibration is None:
+                raise ValueError("--tpot-target needs --calibration FILE (the cost model "
+                                 "`orthrus-real calibrate` fitted to this engine) to predict "
+                                 "iteration times")
+            # the scheduler builds the predictor where it runs (vLLM's engine core)
+            orthrus["predictor"] = {"calibration": str(calibration), "model": str(self.model_dir),
+                                    "lora_rank": self.adapter_rank}
+        self.calibration = calibration
         self.vllm_config = _vllm_config(
             model_dir=self.model_dir, dtype=str(cfg.dtype).removeprefix("torch."),
             max_model_len=min(base.max_model_len or cfg.max_model_len, cfg.max_model_len),
             token_budget=base.token_budget, block_size=(block := _platform_block_size()),
             num_blocks=max(2, kv_cache_tokens // block + 1),
-            orthrus={"policy": policy, "token_budget": base.token_budget,
-                     "chunk_size": base.chunk_size,
-                     "max_num_seqs": base.max_num_seqs, "max_num_embeds": embeds,
-                     "waiting_work": base.waiting_work},
-            max_num_seqs=base.max_num_seqs + embeds, **engine_args)
+            orthrus=orthrus,
+            max_num_seqs=base.max_num_seqs + base.max_num_embeds, **engine_args)
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.executor.abstract import Executor
 

@@ -7,9 +7,11 @@ vLLM's machinery: KV-cache allocation, preemption bookkeeping, ``SchedulerOutput
 the core's ``complete``. The core keeps its own block accounting, sized to vLLM's cache, so both
 always agree; a disagreement is a bug and raises.
 
-Set it with ``scheduler_cls`` and the policy with ``additional_config={"orthrus": {...}}``
-(``policy``, ``token_budget``, ``chunk_size``, ``max_num_seqs``, ``max_num_embeds``,
-``waiting_work``).
+Set it with ``scheduler_cls`` and the policy with ``additional_config={"orthrus": {...}}``:
+``policy`` and any field of ``SchedulerConfig`` but those vLLM decides (block size, KV blocks,
+model length); ``VllmEngine`` hands over the whole config (``orthrus_real.settings``). With
+``tpot_target_s``, ``predictor`` names the calibration, model and adapter rank of the cost model
+that predicts iteration times (``calibrated_predictor``).
 Prefix caching, speculative decoding, KV connectors and pipeline parallelism are refused: the
 core's accounting does not model them.
 """
@@ -22,8 +24,10 @@ from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from orthrus_real.settings import from_vllm_options
 from orthrus_real.vllm_backend.support import check_policy
-from orthrus_sim.engine import Request, RequestKind, SchedulerConfig, make_policy
+from orthrus_sim.costmodel.predictor import calibrated_predictor
+from orthrus_sim.engine import Request, RequestKind, make_policy
 
 
 class AccountingError(RuntimeError):
@@ -40,28 +44,20 @@ class OrthrusScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         opts = orthrus_options(self.vllm_config)
-        budget = opts.get("token_budget", self.scheduler_config.max_num_batched_tokens)
-        if budget > self.scheduler_config.max_num_batched_tokens:
-            raise ValueError(
-                f"additional_config.orthrus.token_budget ({budget}) exceeds vLLM's "
-                f"max_num_batched_tokens ({self.scheduler_config.max_num_batched_tokens})")
-        chunk = opts.get("chunk_size", 512)
-        self.config = SchedulerConfig(
-            token_budget=budget,
-            chunk_size=None if chunk is None else min(chunk, budget),
-            max_num_seqs=opts.get("max_num_seqs", self.max_num_running_reqs),
-            max_num_embeds=opts.get("max_num_embeds"),
-            block_size=self.block_size,
+        predictor = opts.pop("predictor", None)  # {calibration, model, lora_rank}: tpot_target_s
+        policy, self.config = from_vllm_options(
+            opts, block_size=self.block_size,
             num_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
-            waiting_work=opts.get("waiting_work", "prompt"),
             max_model_len=self.max_model_len,
-        )
+            max_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_running=self.max_num_running_reqs)
         slots = self.config.max_num_seqs + (self.config.max_num_embeds or 0)
         if self.config.max_num_embeds is None or slots > self.max_num_running_reqs:
             raise ValueError(
                 "additional_config.orthrus: max_num_seqs + max_num_embeds must be set and fit "
                 f"vLLM's max_num_seqs ({self.max_num_running_reqs}), the request slots of one batch")
-        self.policy = make_policy(check_policy(opts.get("policy", "ibs")), self.config)
+        self.policy = make_policy(check_policy(policy), self.config,
+                                  calibrated_predictor(**predictor) if predictor else None)
         self.last_batch = None  # the core's batch unit behind the latest SchedulerOutput
         self.last_output: SchedulerOutput | None = None  # kept for inspection (tests, stats)
         self._in_flight: dict[int, object] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from orthrus_sim.costmodel.operators import ATTENTION_OPS, LINEAR_OPS, OPERATORS
 
@@ -75,6 +75,3 @@ class Coefficients:
     ops: dict[str, OpCoeffs] = field(default_factory=default_ops)
     iteration_overhead_s: float = 2e-3
     per_seq_overhead_s: float = 10e-6
-
-    def with_ops(self, **changes: OpCoeffs) -> Coefficients:
-        return replace(self, ops={**self.ops, **changes})

@@ -27,16 +27,20 @@ class UnifiedHomoPolicy(Policy):
     ready from the end of its last iteration), so the two sides alternate by FCFS; requests
     ready at the same time go by arrival order (neither kind is preferred). If the chosen side
     cannot schedule anything (memory full), the other side runs instead.
+
+    The choice depends on the clock (every decode step makes the decodes ready later), so it is
+    not ``clock_free``: the simulator's decode runs apply only while nothing waits.
     """
 
     name = "unified-homo"
+    clock_free = False
 
     def fill(self, batch: BatchUnit, now: float) -> None:
-        e_key = min(((r.ready_since, r.order) for r in self._embeddings), default=None)
-        g_keys = [(r.ready_since, r.order) for r in self._running]
-        if self._waiting_gen:
-            head = self._waiting_gen[0]
-            g_keys.append((head.ready_since, head.order))
+        e_key = min(((r.ready_since, r.order) for r in self.embeddings()), default=None)
+        g_keys = [(r.ready_since, r.order) for r in self.running_generations()]
+        waiting = self.waiting_generations()
+        if waiting:
+            g_keys.append((waiting[0].ready_since, waiting[0].order))
         g_key = min(g_keys, default=None)
         if e_key is None and g_key is None:
             return

@@ -45,10 +45,6 @@ class BatchItem:
         """True where the forward pass must produce a next token for this item."""
         return self.kind is not ItemKind.EMBED_CHUNK and self.end == self.request.seq_len
 
-    @property
-    def is_last_chunk(self) -> bool:
-        return self.kind is ItemKind.EMBED_CHUNK and self.end == self.request.input_len
-
 
 _KIND = attrgetter("kind")
 

@@ -42,9 +42,6 @@ class BlockManager:
         """Blocks a request must still get to hold ``num_tokens`` tokens."""
         return max(0, self.blocks_for(num_tokens) - self.held(request_id))
 
-    def can_hold(self, request_id: str, num_tokens: int) -> bool:
-        return self.extra_blocks(request_id, num_tokens) <= len(self._free)
-
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Make the request hold enough blocks for ``num_tokens`` tokens; False if they don't fit."""
         table = self.tables.get(request_id)

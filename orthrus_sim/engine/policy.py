@@ -1,4 +1,4 @@
-"""The policy interface and the mechanics every policy shares.
+"""The policy interface and the scheduling steps every policy shares.
 
 A policy owns one replica's queues and KV-cache accounting. An executor (the simulator's replica
 process, the PyTorch engine, the vLLM scheduler plug-in) drives it with three calls::
@@ -11,8 +11,10 @@ process, the PyTorch engine, the vLLM scheduler plug-in) drives it with three ca
 generation requests handed off after their first token (state WAITING, KV to be transferred).
 
 A policy decides only *which* work enters a batch: it implements ``fill(batch, now)`` with the
-public helpers below. Admission, KV blocks, decode growth, preemption, budget claims and
-completion live here, so every policy keeps the same invariants (docs/scheduler.md):
+public helpers below and the views of ``engine/queues.py``. What it builds on lives one concept
+a file: the queues and waiting work (``queues.py``), KV admission in both modes, holding back
+and preemption (``admission.py``), snapshots (``snapshot.py``) and the simulator's decode-run
+fast path (``decode_run.py``). So every policy keeps the same invariants (docs/scheduler.md):
 
 * an embedding reserves blocks for its whole input when its first chunk is scheduled, so once
   admitted it always completes; an embedding head refused for lack of blocks holds them back
@@ -26,60 +28,27 @@ completion live here, so every policy keeps the same invariants (docs/scheduler.
 from __future__ import annotations
 
 import abc
-import bisect
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
 
+from orthrus_sim.engine.admission import KVAdmission
 from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.iteration_target import IterationTarget, IterationTimePredictor
-from orthrus_sim.engine.kv_cache import BlockManager
+from orthrus_sim.engine.queues import EMBEDDING, GENERATION, insert_in_order
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
+from orthrus_sim.engine.snapshot import PolicySnapshot, take_snapshot
 
-EMBEDDING, GENERATION = RequestKind.EMBEDDING, RequestKind.GENERATION
-
-
-@dataclass(frozen=True)
-class PolicySnapshot:
-    """A read-only picture of a policy for observers (metrics, monitors, tests)."""
-
-    policy: str
-    embeddings_waiting: int  # not holding KV blocks yet
-    embeddings_running: int  # holding blocks, chunks still to go
-    generations_waiting: int  # not holding blocks (new or preempted)
-    generations_running: int  # holding blocks: prefilling or decoding
-    embedding_work: int  # ``we``: tokens IBS weighs the embedding queue with
-    generation_work: int  # ``wg``
-    kv_blocks_used: int
-    kv_blocks_total: int
-    credits: dict[str, float] | None  # IBS only
-    preemptions: dict[str, int]  # recompute preemptions so far, by kind
-    iterations: int
-    budget_claim: str | None  # request whose tokens the next batch reserves
-
-    @property
-    def waiting(self) -> int:
-        return self.embeddings_waiting + self.generations_waiting
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
+__all__ = ["EMBEDDING", "GENERATION", "Policy", "PolicySnapshot"]
 
 
-def _insert_in_order(queue: list[Request], request: Request) -> None:
-    """Insert by FCFS key (arrival, then add order); appending is the common case."""
-    if not queue or queue[-1].order <= request.order:
-        queue.append(request)
-    else:
-        queue.insert(bisect.bisect_right(queue, request.order, key=lambda r: r.order), request)
-
-
-class Policy(abc.ABC):
+class Policy(KVAdmission, abc.ABC):
     """Base policy: subclasses implement ``fill`` (and set ``serves`` for single-type replicas).
 
     ``decode_runs``: the simulator may advance runs of identical all-decode iterations at once
-    (``steady_decode_phases``). That is exact when ``fill`` depends on the queues and the KV cache
-    only; a policy whose choices depend on the clock sets it False.
+    (``engine/decode_run.py``); False turns that off. ``clock_free``: ``fill`` depends on the
+    queues and the KV cache only, not on the clock, so a run is exact even while requests wait;
+    a policy whose choices depend on the time (Unified-Homo) sets it False and gets runs only
+    while nothing waits.
 
     ``predictor``: the iteration-time predictor that ``config.tpot_target_s`` needs (the
     executor's cost model); a target without one is refused.
@@ -88,10 +57,11 @@ class Policy(abc.ABC):
     name = "base"
     serves: tuple[RequestKind, ...] = (EMBEDDING, GENERATION)
     decode_runs = True
+    clock_free = True
 
     def __init__(self, config: SchedulerConfig | None = None,
                  predictor: IterationTimePredictor | None = None) -> None:
-        self.config = config or SchedulerConfig()
+        super().__init__(config or SchedulerConfig())
         self.target: IterationTarget | None = None
         if self.config.tpot_target_s is not None:
             if predictor is None:
@@ -101,37 +71,23 @@ class Policy(abc.ABC):
                     "FILE, from `orthrus-real calibrate`)")
             self.target = IterationTarget(self.config.tpot_target_s, self.config.min_chunk_tokens,
                                           predictor)
-        self.blocks = BlockManager(self.config.num_blocks, self.config.block_size)
         self.iterations = 0
-        self.preemptions = {EMBEDDING.value: 0, GENERATION.value: 0}
-        self._embeddings: list[Request] = []  # unfinished embeddings, FCFS order
-        self._waiting_gen: list[Request] = []  # generation requests holding no blocks, FCFS
-        self._running: list[Request] = []  # generation requests holding blocks, admission order
-        self._prefilling: list[Request] = []  # those of them with prompt work left
-        self._holding: dict[str, Request] = {}  # every request holding blocks, admission order
-        self._embeds_holding: dict[str, Request] = {}  # the embeddings among them
-        self._requests: dict[str, Request] = {}  # every live request by id
-        # ``waiting_work`` of the requests holding no blocks, kept as they come and go so that
-        # an iteration's cost does not grow with the queues (it is fixed while one waits)
-        self._queued_work: dict[str, int] = {}
-        self._queued_sum = {EMBEDDING: 0, GENERATION: 0}
         self._added = 0
         self._budget_claim: tuple[str, int] | None = None
         # state of the iteration being filled
         self._claimant: Request | None = None  # its turn was taken last iteration: it goes first
         self._in_batch: set[str] = set()
         self._embed_cursor = 0
-        self._held_back = 0
-        self._held_for: dict[str, int] = {}
 
     # ----- the interface -----------------------------------------------------------------
     def add(self, request: Request, now: float = 0.0) -> bool:
         """Queue a request; rejects (and returns False) one that could never be served."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already here "
+                             f"({self._requests[request.request_id].state.value}): ids must be unique")
         if request.state is not RequestState.WAITING:
             raise ValueError(f"request {request.request_id}: only a waiting request can be added, "
                              f"this one is {request.state.value}")
-        if request.request_id in self._requests:
-            raise ValueError(f"request id {request.request_id!r} is already queued")
         reason = self._reject_reason(request)
         if reason is not None:
             request.reject(reason)
@@ -141,7 +97,7 @@ class Policy(abc.ABC):
         request.ready_since = now
         self._added += 1
         request.order = (request.arrival_time, self._added)
-        _insert_in_order(self._embeddings if request.is_embedding else self._waiting_gen, request)
+        insert_in_order(self._embeddings if request.is_embedding else self._waiting_gen, request)
         self._queue_work(request)
         return True
 
@@ -216,81 +172,12 @@ class Policy(abc.ABC):
     def _hands_off(self, request: Request) -> bool:
         """True where a generation request leaves after its first token (prefill replicas)."""
         return False
-
-    # ----- views ---------------------------------------------------------------------------
-    @property
-    def has_work(self) -> bool:
-        return bool(self._embeddings or self._waiting_gen or self._running)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
-
-    def get(self, request_id: str) -> Request | None:
-        """The live request with this id (None once it finished, was aborted or left)."""
-        return self._requests.get(request_id)
-
-    def holds_kv(self, request_id: str) -> bool:
-        return request_id in self._holding
-
-    def live(self) -> tuple[Request, ...]:
-        """Every request queued or running here, in the order it was added."""
-        return tuple(self._requests.values())
-
-    def embeddings(self) -> tuple[Request, ...]:
-        """Unfinished embedding requests (waiting or in flight), FCFS."""
-        return tuple(self._embeddings)
-
-    def waiting_generations(self) -> tuple[Request, ...]:
-        """Generation requests waiting for (re-)admission, FCFS."""
-        return tuple(self._waiting_gen)
-
-    def running_generations(self) -> tuple[Request, ...]:
-        """Generation requests holding KV blocks (prefilling or decoding), admission order."""
-        return tuple(self._running)
-
-    def waiting_work(self) -> tuple[int, int]:
-        """``we`` and ``wg`` of the brief: the remaining prompt work of the embedding queue
-        and of the generation requests that still have prompt work (waiting or prefilling),
-        each weighed by ``Request.waiting_work``."""
-        count_output = self.config.count_waiting_output
-        we = self._queued_sum[EMBEDDING]
-        for r in self._embeds_holding.values():
-            we += r.num_uncomputed
-        wg = self._queued_sum[GENERATION]
-        for r in self._prefilling:
-            wg += r.waiting_work(count_output)
-        return we, wg
-
-    def _queue_work(self, request: Request) -> None:
-        weight = request.waiting_work(self.config.count_waiting_output)
-        self._queued_work[request.request_id] = weight
-        self._queued_sum[request.kind] += weight
-
-    def _unqueue_work(self, request: Request) -> None:
-        weight = self._queued_work.pop(request.request_id, None)
-        if weight is not None:
-            self._queued_sum[request.kind] -= weight
-
     def snapshot(self) -> PolicySnapshot:
-        we, wg = self.waiting_work()
-        running_embed = len(self._embeds_holding)
-        return PolicySnapshot(
-            policy=self.name,
-            embeddings_waiting=len(self._embeddings) - running_embed,
-            embeddings_running=running_embed,
-            generations_waiting=len(self._waiting_gen),
-            generations_running=len(self._running),
-            embedding_work=we, generation_work=wg,
-            kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
-            credits=self._credits_view(), preemptions=dict(self.preemptions),
-            iterations=self.iterations,
-            budget_claim=self._budget_claim[0] if self._budget_claim else None,
-        )
+        return take_snapshot(self, self._credits_view(),
+                             self._budget_claim[0] if self._budget_claim else None)
 
     def _credits_view(self) -> dict[str, float] | None:
         return None
-
     # ----- helpers for ``fill`` ---------------------------------------------------------------
     def next_embedding(self) -> Request | None:
         """The earliest unfinished embedding with no chunk in this batch yet; a budget
@@ -487,209 +374,7 @@ class Policy(abc.ABC):
             used += n
         return used
 
-    # ----- shared mechanics ---------------------------------------------------------------
-    def _reject_reason(self, request: Request) -> str | None:
-        cfg = self.config
-        if request.kind not in self.serves:
-            return f"this replica ({self.name}) does not serve {request.kind.value} requests"
-        total = request.input_len + request.max_output_tokens
-        if cfg.max_model_len is not None and total > cfg.max_model_len:
-            return (
-                f"input_len + max_output_tokens = {total} exceeds the model's maximum length "
-                f"{cfg.max_model_len}"
-            )
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
-            return (
-                f"{total} tokens need {self.blocks.blocks_for(total)} KV blocks but the cache "
-                f"holds {self.blocks.num_blocks}"
-            )
-        if request.is_embedding and cfg.chunk_size is None and request.input_len > cfg.token_budget:
-            return (
-                f"input_len {request.input_len} exceeds the token budget {cfg.token_budget} and "
-                "embeddings are not chunked (scheduler.chunk_size is null)"
-            )
-        return None
-
     def _embed_chunk_len(self, request: Request) -> int:
         size = self.config.chunk_size
         remaining = request.num_uncomputed
         return remaining if size is None else min(size, remaining)
-
-    def _embed_slots_full(self) -> bool:
-        cap = self.config.max_num_embeds
-        return cap is not None and len(self._embeds_holding) >= cap
-
-    def _kv_allows(self, blocks: int, request_id: str) -> bool:
-        """Admission test: ``blocks`` fit beside what is held back for other requests."""
-        held_for_others = self._held_back - self._held_for.get(request_id, 0)
-        return blocks <= self.blocks.num_free - held_for_others
-
-    def _final_blocks(self, request: Request) -> int:
-        """Blocks a generation request will hold at its expected end."""
-        final = request.input_len + max(request.expected_output_tokens, request.num_generated + 1)
-        return max(self.blocks.held(request.request_id), self.blocks.blocks_for(final))
-
-    def _reserve_fits(self, blocks: int, request_id: str) -> bool:
-        """``kv_admission: reserve``: the running generations' expected final sizes, what
-        embeddings hold, what is held back for other requests and ``blocks`` more (the
-        newcomer's final size) all fit the cache. Embeddings are admitted by it too: blocks an
-        embedding takes are blocks a running decode may need."""
-        if self.config.kv_admission != "reserve":
-            return True
-        projected = sum(self._final_blocks(r) for r in self._running)
-        held_for_others = self._held_back - self._held_for.get(request_id, 0)
-        return (projected + self.embedding_blocks() + held_for_others + blocks
-                <= self.blocks.num_blocks)
-
-    def _hold_back(self, request_id: str, blocks: int) -> None:
-        """Set ``blocks`` of the free pool aside for a waiting embedding head for the rest of
-        this iteration: later admissions of other requests cannot take them."""
-        if request_id not in self._held_for:
-            self._held_for[request_id] = blocks
-            self._held_back += blocks
-
-    def embedding_blocks(self) -> int:
-        """KV blocks held by embeddings in flight."""
-        held = self.blocks.held
-        return sum(held(rid) for rid in self._embeds_holding)
-
-    def _admit(self, request: Request, num_tokens: int, now: float) -> None:
-        if not self.blocks.grow(request.request_id, num_tokens):
-            raise RuntimeError(f"request {request.request_id}: admitted without free blocks")
-        request.transition(RequestState.RUNNING)
-        if request.admitted_at is None:
-            request.admitted_at = now
-        self._holding[request.request_id] = request
-        if request.is_embedding:
-            self._embeds_holding[request.request_id] = request
-        self._unqueue_work(request)
-
-    def _release(self, request: Request) -> None:
-        rid = request.request_id
-        self.blocks.free(rid)
-        held = self._holding.pop(rid, None) is not None
-        self._embeds_holding.pop(rid, None)
-        self._requests.pop(rid, None)
-        self._unqueue_work(request)
-        if request.is_embedding:
-            if request in self._embeddings:
-                self._embeddings.remove(request)
-        else:  # a request holding blocks is among the running, one holding none waits
-            for queue in (self._running, self._prefilling) if held else (self._waiting_gen,):
-                if request in queue:
-                    queue.remove(request)
-
-    def _finish(self, request: Request, now: float) -> None:
-        self._release(request)
-        request.transition(RequestState.FINISHED)
-        request.finished_at = now
-
-    def _preempt(self, victim: Request) -> None:
-        """Recompute-preemption: free the victim's blocks and put it back in its queue."""
-        self.blocks.free(victim.request_id)
-        del self._holding[victim.request_id]
-        self._embeds_holding.pop(victim.request_id, None)
-        victim.transition(RequestState.WAITING)
-        victim.reset_for_recompute()
-        self._queue_work(victim)
-        self.preemptions[victim.kind.value] += 1
-        if not victim.is_embedding:
-            self._running.remove(victim)
-            if victim in self._prefilling:
-                self._prefilling.remove(victim)
-            _insert_in_order(self._waiting_gen, victim)
-
-    # ----- runs of identical decode iterations (a simulator fast path) ----------------------
-    def steady_decode_phases(self, batch: BatchUnit) -> list[tuple[int, list[Request]]]:
-        """The phases of a run of decode iterations starting with ``batch``: for each, the step
-        count at which it ends (counted from the run's start) and the requests that finish
-        then; [] when there is no run.
-
-        A run exists only when ``batch`` holds every request holding blocks and each is a
-        decode, and no budget claim is pending. Within a phase the same decodes run, each one
-        token further a step; a phase ends where some requests finish. If requests wait,
-        ``fill`` admitted none of them: what kept them out (KV blocks, which decodes only
-        take; the sequence cap; a budget the decodes fill) stays while the decodes run but not
-        past a finish, so the run is one phase. If nothing waits, it goes on through the
-        finishes (a finish changes nothing else), to the last request's last token. Either
-        way the KV cache must hold every step's growth (else the run is cut short, and its one
-        phase ends with nobody finishing). Arrivals are the caller's business: it must cut the
-        run at the first iteration boundary after one.
-        """
-        if not self.decode_runs or self._budget_claim is not None:
-            return []
-        running = self._running
-        if len(batch.items) != len(running) or len(self._holding) != len(running):
-            return []
-        if not batch.items or batch.items[0].kind is not ItemKind.DECODE:
-            return []
-        remaining = [r.max_output_tokens - r.num_generated for r in running]
-        first = min(remaining)
-        if first < 1:
-            return []
-        nothing_waits = len(self._requests) == len(running)
-        if self.target is not None and self._embeddings and not nothing_waits:
-            # decodes growing past the target let a progress chunk in (iteration_target.py):
-            # what keeps a waiting embedding out may not stay for the run
-            return []
-        last = max(remaining) if nothing_waits else first
-        bs = self.config.block_size
-        free = self.blocks.num_free
-        if len(running) * -(-(last - 1) // bs) <= free:
-            # each decode holds its next token's block: k - 1 more need at most this many
-            ends: dict[int, list[Request]] = {}
-            for r, n in zip(running, remaining):
-                if n <= last:
-                    ends.setdefault(n, []).append(r)
-            return sorted(ends.items())
-        tables = self.blocks.tables
-        # tokens held now and blocks' room, per request: step k holds seq_len + k - 1 tokens
-        held = [(r.input_len + r.num_generated, len(tables[r.request_id]) * bs) for r in running]
-
-        def extra_blocks(k: int) -> int:
-            return sum([-(-(n + k - 1 - room) // bs) for n, room in held if n + k - 1 > room])
-
-        steps = first
-        if extra_blocks(steps) > free:
-            lo, hi = 1, steps  # largest k whose growth fits
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if extra_blocks(mid) <= free:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            steps = lo if extra_blocks(lo) <= free else 0
-        if not steps:
-            return []
-        return [(steps, [r for r, n in zip(running, remaining) if n == steps])]
-
-    def complete_decode_run(self, batch: BatchUnit, steps: int, now: float,
-                            finishing: list[Request] | None = None) -> list[Request]:
-        """Apply the first ``steps`` iterations of a decode run starting with ``batch`` at once;
-        ``now`` is the end of the last one.
-
-        With ``finishing`` (the requests a phase of ``steady_decode_phases`` ends with), only
-        those are brought forward, and they finish; the others are applied once, when the run
-        ends, by a call without it, which skips requests that finished already.
-        """
-        left: list[Request] = []
-        if finishing is None:
-            self.iterations += steps
-        bs = self.blocks.block_size
-        tables = self.blocks.tables
-        running = RequestState.RUNNING
-        grow = self.blocks.grow
-        for req in finishing if finishing is not None else [it.request for it in batch.items]:
-            if req.state is not running:
-                continue
-            generated = req.num_generated
-            holds = req.input_len + generated + steps - 1
-            if holds > len(tables[req.request_id]) * bs and not grow(req.request_id, holds):
-                raise RuntimeError("decode run outgrew the KV cache: steady_decode_phases was not used")
-            req.num_computed += steps
-            req.num_generated = generated = generated + steps
-            req.ready_since = now
-            if generated >= req.max_output_tokens:
-                self._finish(req, now)
-                left.append(req)
-        return left

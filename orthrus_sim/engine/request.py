@@ -157,12 +157,6 @@ class Request:
     def is_decode(self) -> bool:
         return self.num_generated > 0 and self.num_uncomputed == 1
 
-    @property
-    def is_done(self) -> bool:
-        if self.is_embedding:
-            return self.num_computed >= self.input_len
-        return self.num_generated >= self.max_output_tokens
-
     def remaining_work(self, count_output: bool) -> int:
         """Tokens still to process: uncomputed tokens, plus expected decodes if asked."""
         work = self.num_uncomputed

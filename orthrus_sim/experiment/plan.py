@@ -8,7 +8,7 @@ as vLLM's pooling runner with mean pooling) and homogeneous FCFS batches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from orthrus_sim.costmodel import (
     Coefficients,
@@ -82,14 +82,16 @@ def plan_configuration(scenario: Scenario, name: str) -> list[ReplicaPlan]:
 
     def config(model: ModelSpec, adapter: LoRASpec | None, budget: int,
                chunk: int | None, target: float | None = None) -> SchedulerConfig:
+        """The section's every field, with this replica's budget, chunking, KV blocks (the
+        memory model's unless the scenario gives them) and the model's length limit; the
+        iteration-time target only where given (unified replicas: a split's replicas run as
+        the stock servers they stand for)."""
         blocks = sch.num_blocks or kv_cache_blocks(hw, model, sch.block_size, budget,
                                                    sch.max_num_seqs,
                                                    scenario.cluster.memory_utilization, adapter)
-        return SchedulerConfig(token_budget=budget, chunk_size=chunk, max_num_seqs=sch.max_num_seqs,
-                               block_size=sch.block_size, num_blocks=blocks,
-                               waiting_work=sch.waiting_work, kv_admission=sch.kv_admission,
-                               max_model_len=base.max_position_embeddings, tpot_target_s=target,
-                               min_chunk_tokens=sch.min_chunk_tokens)
+        limit = base.max_position_embeddings
+        return sch.config(token_budget=budget, chunk_size=chunk, num_blocks=blocks,
+                          max_model_len=min(sch.max_model_len or limit, limit), tpot_target_s=target)
 
     if is_unified(name):
         policy = unified_policy(name, sch.policy)
@@ -111,17 +113,12 @@ def plan_configuration(scenario: Scenario, name: str) -> list[ReplicaPlan]:
                                 base, None) for _ in range(second)]
 
 
-def engine_plan(scenario: Scenario, configuration: str, num_blocks: int | None = None,
-                max_model_len: int | None = None) -> tuple[str, SchedulerConfig]:
-    """The policy and ``SchedulerConfig`` one real engine runs for a unified configuration;
-    the engine's own KV capacity (``num_blocks``) and model length replace the memory model's."""
+def engine_plan(scenario: Scenario, configuration: str) -> tuple[str, SchedulerConfig]:
+    """The policy and ``SchedulerConfig`` one real engine runs for a unified configuration
+    (the engine then sizes ``num_blocks``, ``block_size`` and ``max_model_len`` to itself:
+    ``EngineBase.executor_config``)."""
     if not is_unified(configuration):
         raise ValueError(f"configuration {configuration!r} needs several devices; one engine runs "
                          f"{', '.join(UNIFIED)} or unified:<policy>")
     plan = plan_configuration(scenario, configuration)[0]
-    cfg = plan.config
-    if num_blocks is not None:
-        cfg = replace(cfg, num_blocks=num_blocks)
-    if max_model_len is not None:
-        cfg = replace(cfg, max_model_len=max_model_len)
-    return plan.policy, cfg
+    return plan.policy, plan.config

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -74,10 +75,28 @@ class Quantiles:
         return 2.0 * self._gamma ** max(self._buckets) / (self._gamma + 1.0)
 
     def summary(self) -> dict[str, float | int | None]:
-        if self._count == 0:
-            return {"mean": None, "p50": None, "p95": None, "p99": None, "count": 0}
-        out: dict[str, float | int | None] = {"mean": self._sum / self._count}
-        for name, q in (("p50", 50), ("p95", 95), ("p99", 99)):
-            out[name] = self.percentile(q)
-        out["count"] = self._count
-        return out
+        return summarize(self._count, self._sum / self._count if self._count else None,
+                         self.percentile)
+
+
+PERCENTILES = {"p50": 50, "p95": 95, "p99": 99}
+
+
+def summarize(count: int, mean: float | None,
+              percentile: Callable[[float], float | None]) -> dict[str, float | int | None]:
+    """The one shape of a summary in results: mean, p50/p95/p99 (``percentile(q)``, q in
+    0-100) and count; None figures when there is nothing to summarise."""
+    if count == 0:
+        return {"mean": None, **dict.fromkeys(PERCENTILES), "count": 0}
+    out: dict[str, float | int | None] = {"mean": mean}
+    for name, q in PERCENTILES.items():
+        out[name] = percentile(q)
+    out["count"] = count
+    return out
+
+
+def summary(values: Sequence[float]) -> dict[str, float | int | None]:
+    """The summary of a list of values (exact: numpy's linear interpolation)."""
+    arr = np.asarray(values, dtype=float)
+    return summarize(int(arr.size), float(arr.mean()) if arr.size else None,
+                     lambda q: float(np.percentile(arr, q)))

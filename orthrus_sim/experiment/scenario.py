@@ -9,7 +9,10 @@ shipped one (``a100-40gb``).
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,10 +23,12 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 
+from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.registry import resolve_policy
 from orthrus_sim.experiment.distributions import LengthDist, Uniform, fixed
 from orthrus_sim.experiment.trace import load_trace
@@ -61,31 +66,12 @@ class ClusterSection(Strict):
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
 
 
-class SchedulerSection(Strict):
+class _SchedulerExtras(Strict):
+    """What a scenario's scheduler section holds beside ``SchedulerConfig``'s own fields."""
+
     policy: str | None = Field(default=None, description="policy for the 'orthrus' configuration")
-    token_budget: int = Field(default=4096, ge=1)
-    chunk_size: int | None = Field(default=512, ge=1)
-    max_num_seqs: int = Field(default=256, ge=1)
-    block_size: int = Field(default=16, ge=1)
-    num_blocks: int | None = Field(default=None, ge=1, description="default: from the memory model")
-    waiting_work: Literal["prompt", "prompt+output"] = "prompt"
-    kv_admission: Literal["optimistic", "reserve"] = Field(
-        default="optimistic", description="optimistic: a generation takes blocks for its prompt and "
-        "grows (preempting when the cache is full), as vLLM does; reserve: it is admitted only when "
-        "the expected final length of every running generation fits")
     generation_token_budget: int | None = Field(default=None, ge=1,
                                                 description="budget of dedicated generation replicas")
-    tpot_target_s: float | None = Field(
-        default=None, gt=0, description="iteration-time target (s) for iterations of unified "
-        "replicas that carry decodes: chunks are cut so the predicted time stays within it")
-    min_chunk_tokens: int = Field(default=32, ge=1, description="smallest chunk the target cuts to")
-
-    @model_validator(mode="after")
-    def _chunk_fits(self):
-        if self.chunk_size is not None and self.chunk_size > self.token_budget:
-            raise ValueError(f"chunk_size ({self.chunk_size}) is larger than token_budget "
-                             f"({self.token_budget})")
-        return self
 
     @field_validator("policy")
     @classmethod
@@ -94,8 +80,51 @@ class SchedulerSection(Strict):
             resolve_policy(v)
         return v
 
+    @model_validator(mode="after")
+    def _checked_by_the_core(self):
+        self.config()  # SchedulerConfig's own checks (chunk <= budget, choices): one definition
+        return self
 
-PROCESSES = ("closed-loop", "poisson", "gamma", "burst")
+    @classmethod
+    def validated(cls, raw: dict, source: str, overrides: list[tuple[str, str]] = ()):
+        """The section of ``raw`` alone (the CLIs' settings without a scenario)."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ValueError(_format(exc, source, overrides, ("scheduler",))) from None
+
+    def config(self, **changes) -> SchedulerConfig:
+        """The ``SchedulerConfig`` of this section: every field of it, ``changes`` applied
+        (``num_blocks`` left to the memory model stands in as the core's default here)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)}
+        if values["num_blocks"] is None:
+            values["num_blocks"] = SCHEDULER_DEFAULTS.num_blocks
+        return SchedulerConfig(**{**values, **changes})
+
+
+SCHEDULER_DEFAULTS = SchedulerConfig()
+# Fields whose scenario default differs from the core's (num_blocks: sized by the memory model).
+_SCENARIO_DEFAULTS: dict[str, tuple[Any, Any, str]] = {
+    "num_blocks": (int | None, None, "default: from the memory model"),
+    "tpot_target_s": (float | None, None, "iteration-time target (s) for the iterations of "
+                      "unified replicas that carry decodes (docs/scheduler.md)"),
+}
+
+
+def _scheduler_section() -> type[_SchedulerExtras]:
+    """``SchedulerSection``: one field per ``SchedulerConfig`` field, with its type and
+    default, so a field added to the core reaches scenarios (and ``--set``) by itself; the
+    values are checked by the core's own ``__post_init__``."""
+    hints = typing.get_type_hints(SchedulerConfig)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(SchedulerConfig):
+        typ, default, help_ = _SCENARIO_DEFAULTS.get(
+            f.name, (hints[f.name], getattr(SCHEDULER_DEFAULTS, f.name), None))
+        fields[f.name] = (typ, Field(default=default, description=help_))
+    return create_model("SchedulerSection", __base__=_SchedulerExtras, **fields)
+
+
+SchedulerSection = _scheduler_section()
 
 
 class Arrival(Strict):
@@ -281,7 +310,7 @@ class Scenario(Strict):
     embedding: EmbeddingSection = Field(default_factory=EmbeddingSection)
     calibration: str | None = None
     cluster: ClusterSection = Field(default_factory=ClusterSection)
-    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)  # type: ignore[valid-type]
     workload: Workload = Field(default_factory=Workload)
     configurations: list[str] = ["orthrus"]
     max_sim_time_s: float = Field(default=36_000.0, gt=0)
@@ -362,50 +391,120 @@ def split_gpus(name: str, gpus: int) -> tuple[int, int] | None:
     return a, b
 
 
-def _format(exc: ValidationError, source: str) -> str:
+def _model_at(path: list[str]) -> type[BaseModel] | None:
+    """The section model a dotted location names (list items and ``X | None`` unwrapped)."""
+    model: Any = Scenario
+    for key in path:
+        if key.isdigit():
+            continue
+        field = model.model_fields.get(key) if isinstance(model, type) else None
+        if field is None:
+            return None
+        model = _section_type(field.annotation)
+        if model is None:
+            return None
+    return model
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_type(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def did_you_mean(loc: str) -> str:
+    """`` (did you mean 'x'?)`` for a location whose last key is a near miss of a field."""
+    *parent, key = loc.split(".")
+    model = _model_at(parent)
+    names = list(model.model_fields) if model is not None else []
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    return f" (did you mean {'.'.join([*parent, close[0]])!r}?)" if close else ""
+
+
+def _format(exc: ValidationError, source: str, overrides: list[tuple[str, str]] = (),
+            prefix: tuple[str, ...] = ()) -> str:
+    """One line per problem, named by its field path; a problem in a field that an override
+    set names that override (``--set k=v``, ``--grid k=v``) rather than the file."""
     lines = [f"{source}: invalid scenario"]
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        loc = ".".join(str(p) for p in (*prefix, *err["loc"])
+                       if not str(p).startswith("function-after"))
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"  {loc or '(top level)'}: {msg}")
+        if err["type"] == "extra_forbidden":
+            msg += did_you_mean(loc)
+        blamed = [f"{flag} {item}" for flag, item in overrides
+                  if _touches(item.partition("=")[0].strip(), loc, msg)]
+        where = f" (from {', '.join(blamed)})" if blamed else ""
+        if loc and msg.startswith(loc + "."):  # the core's messages name the field themselves
+            lines.append(f"  {msg}{where}")
+        else:
+            lines.append(f"  {loc or '(top level)'}{where}: {msg}")
     return "\n".join(lines)
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """``section.key=value`` overrides on a copy; the value is parsed as YAML (lists, null)."""
+def _touches(path: str, loc: str, msg: str) -> bool:
+    if not loc:
+        return path in msg
+    return path == loc or path.startswith(loc + ".") or loc.startswith(path + ".") or path in msg
+
+
+def apply_overrides(raw: dict, overrides: list[str], flag: str = "--set") -> dict:
+    """``section.key=value`` overrides on a copy; the value is parsed as YAML (lists, null).
+    A number addresses a list item (``workload.pools.1.rate=12``)."""
     raw = copy.deepcopy(raw)
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"--set {item!r}: expected section.key=value")
+            raise ValueError(f"{flag} {item!r}: expected section.key=value")
         path, _, value = item.partition("=")
         keys = path.strip().split(".")
-        node = raw
-        for k in keys[:-1]:
-            if node.get(k) is None:
-                node[k] = {}  # a section left out, or null (a default)
-            if not isinstance(node[k], dict):
-                raise ValueError(f"--set {item!r}: {k!r} is not a section")
-            node = node[k]
+        if not all(keys):
+            raise ValueError(f"{flag} {item!r}: empty key in {path.strip()!r}")
         try:
-            node[keys[-1]] = yaml.safe_load(value)
+            parsed = yaml.safe_load(value)
         except yaml.YAMLError as exc:
-            raise ValueError(f"--set {item!r}: the value is not valid YAML ({exc})") from None
+            raise ValueError(f"{flag} {item!r}: the value is not valid YAML ({exc})") from None
+        node: Any = raw
+        for depth, k in enumerate(keys):
+            where = ".".join(keys[:depth]) or "the scenario"
+            last = depth == len(keys) - 1
+            if isinstance(node, list):
+                if not k.isdigit() or int(k) >= len(node):
+                    raise ValueError(f"{flag} {item!r}: {where} is a list of {len(node)} items; "
+                                     f"address one by its index 0-{len(node) - 1}, not {k!r}")
+                k = int(k)
+            elif not isinstance(node, dict):
+                raise ValueError(f"{flag} {item!r}: {where} is a value ({node!r}), not a section")
+            if last:
+                node[k] = parsed
+            else:
+                if isinstance(node, dict) and node.get(k) is None:
+                    node[k] = {}  # a section left out, or null (a default)
+                node = node[k]
     return raw
 
 
 def parse_scenario(raw: Any, source: str = "scenario", overrides: list[str] | None = None,
-                   base_dir: str | Path | None = None, check_fit: bool = True) -> Scenario:
+                   base_dir: str | Path | None = None, check_fit: bool = True,
+                   grid: list[str] | None = None) -> Scenario:
     """Validate a scenario mapping; relative paths in it resolve from ``base_dir`` (the
     scenario file's folder; default: the current directory). ``check_fit``: every configuration
-    must fit ``cluster.gpus`` (a sweep checks each point instead, skipping what does not fit)."""
+    must fit ``cluster.gpus`` (a sweep checks each point instead, skipping what does not fit).
+    ``overrides`` come from ``--set``, ``grid`` from a sweep point's ``--grid`` values; an
+    error in a field they set names them."""
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: a scenario must be a YAML mapping")
     raw = apply_overrides(raw, overrides or [])
+    raw = apply_overrides(raw, grid or [], "--grid")
+    named = [("--set", o) for o in overrides or []] + [("--grid", g) for g in grid or []]
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     try:
         scenario = Scenario.model_validate(raw, context={"base_dir": base})
     except ValidationError as exc:
-        raise ValueError(_format(exc, source)) from None
+        raise ValueError(_format(exc, source, named)) from None
     if check_fit:
         for name in scenario.configurations:
             try:

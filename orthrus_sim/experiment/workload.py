@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -151,6 +151,57 @@ class Retrieve:
 Client = Generator[Any, Any, Any]
 
 
+class Host(Protocol):
+    """What a driver provides to carry out actions: the SimPy one's waitables are events, the
+    asyncio one's awaitables; ``interpret`` only passes them through."""
+
+    def now(self) -> float: ...
+    def issue(self, send: Send) -> Any: ...  # what waits for its Outcome, or None (wait=False)
+    def sleep(self, seconds: float) -> Any: ...
+    def spawn(self, client: Client) -> None: ...
+    def retrieve(self, action: Retrieve) -> list[int]: ...
+
+
+def interpret(client: Client, host: Host) -> Generator[Any, Any, None]:
+    """Carry out ``client``'s actions through ``host``: the one interpreter of both drivers.
+    It yields the host's waitables and takes back what they give (an Outcome, or None), so a
+    SimPy process runs it as it is and an asyncio task awaits each one (``run_async``)."""
+    value = None
+    while True:
+        try:
+            action = client.send(value)
+        except StopIteration:
+            return
+        value = None
+        if isinstance(action, Send):
+            waitable = host.issue(action)
+            if waitable is not None:
+                value = yield waitable
+        elif isinstance(action, Wait):
+            yield host.sleep(action.seconds)
+        elif isinstance(action, WaitUntil):
+            delay = action.time - host.now()
+            if delay > 0:
+                yield host.sleep(delay)
+        elif isinstance(action, Spawn):
+            host.spawn(action.client)
+        elif isinstance(action, Retrieve):
+            value = host.retrieve(action)
+        else:
+            raise TypeError(f"unknown workload action {action!r}")
+
+
+async def run_async(steps: Generator[Any, Any, None]) -> None:
+    """The asyncio adapter of ``interpret``: await each waitable, send its result back."""
+    value = None
+    while True:
+        try:
+            waitable = steps.send(value)
+        except StopIteration:
+            return
+        value = await waitable
+
+
 @dataclass
 class WorkflowRecord:
     workflow_id: int
@@ -192,10 +243,6 @@ class Workload:
         self._corpus: list[Tokens] | None = None
 
     # ----- when the workload stops --------------------------------------------------------
-    @property
-    def end_time(self) -> float | None:
-        return self.scenario.duration_s
-
     def phase(self) -> int | None:
         if not self._phase_ends:
             return None

@@ -1,7 +1,8 @@
 """The workload's sources as SimPy processes: one process per client (SimPy's own style).
 
-The generator (``orthrus_sim.experiment.workload``) decides what to send and when; this driver
-turns its actions into SimPy events and hands requests to the cluster.
+The generator (``orthrus_sim.experiment.workload``) decides what to send and when, and its
+``interpret`` carries the actions out; this driver is its host: SimPy events for the waits, and
+requests handed to the cluster.
 """
 
 from __future__ import annotations
@@ -13,16 +14,7 @@ import simpy
 from orthrus_sim.engine.request import Request, RequestState
 from orthrus_sim.experiment.results import RequestLog
 from orthrus_sim.experiment.scenario import Scenario
-from orthrus_sim.experiment.workload import (
-    Client,
-    Outcome,
-    Retrieve,
-    Send,
-    Spawn,
-    Wait,
-    WaitUntil,
-    Workload,
-)
+from orthrus_sim.experiment.workload import Client, Outcome, Retrieve, Send, Workload, interpret
 
 
 def outcome_of(request: Request) -> Outcome:
@@ -53,25 +45,25 @@ class SimDriver:
 
     def start(self) -> None:
         for _, client in self.workload.clients():
-            self._spawn(client)
-
-    def _spawn(self, client: Client) -> None:
-        self._running += 1
-        self.env.process(self._run(client))
+            self.spawn(client)
 
     def request_done(self, request: Request) -> None:
         """The cluster's callback: ``request`` finished or was rejected."""
         self.outstanding -= 1
         self.log.ended(request)
         if request.payload is not None:  # a client waits for it
-            request.payload.succeed(request)
+            request.payload.succeed(outcome_of(request))
         self._check_done()
 
     def _check_done(self) -> None:
         if self._running == 0 and self.outstanding == 0 and not self.all_done.triggered:
             self.all_done.succeed()
 
-    def _send(self, send: Send) -> simpy.Event | None:
+    # ----- the host of ``interpret``: SimPy events ------------------------------------------
+    def now(self) -> float:
+        return self.env.now
+
+    def issue(self, send: Send) -> simpy.Event | None:
         """Submit the request; the event its client waits on (None when it does not wait)."""
         spec = send.spec
         req = Request(spec.request_id, spec.kind, self.env.now, spec.input_len,
@@ -83,31 +75,19 @@ class SimDriver:
         self._submit(req)
         return req.payload
 
+    def sleep(self, seconds: float) -> simpy.Event:
+        return self.env.timeout(seconds)
+
+    def spawn(self, client: Client) -> None:
+        self._running += 1
+        self.env.process(self._run(client))
+
+    def retrieve(self, action: Retrieve) -> list[int]:
+        return list(action.fallback)  # no vectors in a simulation
+
     def _run(self, client: Client):
-        env = self.env
-        value = None
         try:
-            while True:
-                try:
-                    action = client.send(value)
-                except StopIteration:
-                    return
-                value = None
-                if isinstance(action, Send):
-                    done = self._send(action)
-                    if done is not None:
-                        value = outcome_of((yield done))
-                elif isinstance(action, Wait):
-                    yield env.timeout(action.seconds)
-                elif isinstance(action, WaitUntil):
-                    if action.time > env.now:
-                        yield env.timeout(action.time - env.now)
-                elif isinstance(action, Spawn):
-                    self._spawn(action.client)
-                elif isinstance(action, Retrieve):
-                    value = list(action.fallback)  # no vectors in a simulation
-                else:
-                    raise TypeError(f"unknown workload action {action!r}")
+            yield from interpret(client, self)
         finally:
             self._running -= 1
             self._check_done()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import simpy
 
 from orthrus_sim.costmodel.shape import BatchShape
+from orthrus_sim.engine.decode_run import complete_decode_run, steady_decode_phases
 from orthrus_sim.engine.policy import Policy
 from orthrus_sim.engine.request import Request
 
@@ -135,7 +136,7 @@ class Replica:
                 self._wake = None
                 continue
             shape = BatchShape.from_batch(batch, adapter=self.adapter)
-            phases = policy.steady_decode_phases(batch) if self.fast_forward else []
+            phases = steady_decode_phases(policy, batch) if self.fast_forward else []
             if phases and phases[-1][0] > 1:
                 yield from self._decode_run(batch, shape, phases)
                 continue
@@ -147,7 +148,7 @@ class Replica:
             self._leave(policy.complete(batch, env.now))
 
     def _decode_run(self, batch, shape: BatchShape, phases: list[tuple[int, list[Request]]]):
-        """Advance a run of decode iterations phase by phase (``Policy.steady_decode_phases``);
+        """Advance a run of decode iterations phase by phase (``engine.decode_run.steady_decode_phases``);
         stop after the iteration in flight when work arrives.
 
         Requests that finish at the end of a phase leave then, at that simulated time, as
@@ -164,12 +165,12 @@ class Replica:
             before += done
             if done < steps or self._arrived:
                 break  # work arrived
-            left = self.policy.complete_decode_run(batch, before, self.env.now, finishing)
+            left = complete_decode_run(self.policy, batch, before, self.env.now, finishing)
             self._leave(left)
             if self._arrived:
                 break  # a leaving request sent more work
             shape = shape.after_decode_steps(steps, [r.num_computed + 1 for r in left])
-        self._leave(self.policy.complete_decode_run(batch, before, self.env.now))
+        self._leave(complete_decode_run(self.policy, batch, before, self.env.now))
 
     def _decode_phase(self, batch, shape: BatchShape, steps: int, before: int):
         """Price and wait out up to ``steps`` identical decode iterations (``before`` steps of
@@ -228,5 +229,5 @@ class Replica:
                 self._account_phase(done)
             if before + done:  # the earlier phases' steps, and these, for those still running
                 t = ends[done - 1] if done else start
-                self._leave(self.policy.complete_decode_run(batch, before + done, t))
+                self._leave(complete_decode_run(self.policy, batch, before + done, t))
             self._run = None

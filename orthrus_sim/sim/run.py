@@ -9,7 +9,7 @@ from pathlib import Path
 
 import simpy
 
-from orthrus_sim.experiment.results import CsvRows, RequestLog, window_warnings
+from orthrus_sim.experiment.results import CsvRows, MeasurementWindow, RequestLog, window_warnings
 from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.cluster import Cluster
 from orthrus_sim.sim.driver import SimDriver
@@ -74,13 +74,13 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
     timeline: list[dict] = []
     env.process(_monitor(env, cluster, scenario.timeline_interval_s, timeline, progress,
                          scenario.duration_s))
-    at_warmup: list = []
+    window = MeasurementWindow(scenario.warmup_s, [type(rep.stats)() for rep in cluster.replicas])
 
-    def mark_window_start():
+    def open_window():
         yield env.timeout(scenario.warmup_s)
-        at_warmup.extend(rep.progress() for rep in cluster.replicas)
+        window.open([rep.progress() for rep in cluster.replicas])
 
-    env.process(mark_window_start())
+    env.process(open_window())
     if scenario.duration_s is not None:
         env.run(until=scenario.duration_s)
         end = scenario.duration_s
@@ -92,13 +92,12 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
         end = env.now
     if progress is not None:
         progress(1.0)
-    start = min(scenario.warmup_s, end)
-    first = at_warmup or [type(rep.stats)() for rep in cluster.replicas]
-    window = [rep.progress().minus(s) for rep, s in zip(cluster.replicas, first)]
+    start = window.start(end)
+    counters = [rep.progress().minus(s) for rep, s in zip(cluster.replicas, window.opening)]
     metrics = log.close(end, driver.workflows)
     if sink is not None:
         sink.close()
-    metrics.update(replica_metrics(cluster.replicas, window, end - start, cluster.hardware))
+    metrics.update(replica_metrics(cluster.replicas, counters, end - start, cluster.hardware))
     metrics.update({"kv_transfers": cluster.kv_transfers, "kv_transfer_s": cluster.kv_transfer_s,
                     "sim_end_s": end, "sim_wall_s": time.perf_counter() - wall})
     if scenario.workload.phases:

@@ -1,0 +1,131 @@
+"""KV admission: which request may take blocks, the two admission modes, holding blocks back
+for a refused embedding head, and what admitting, releasing and preempting a request does to
+the queues and the block manager (docs/scheduler.md has the invariants)."""
+
+from __future__ import annotations
+
+from orthrus_sim.engine.config import SchedulerConfig
+from orthrus_sim.engine.kv_cache import BlockManager
+from orthrus_sim.engine.queues import EMBEDDING, GENERATION, Queues, insert_in_order
+from orthrus_sim.engine.request import Request, RequestKind, RequestState
+
+
+class KVAdmission(Queues):
+    """The paged KV cache of one replica and the rules for taking and giving back its blocks."""
+
+    name: str  # the policy's (``Policy`` and its subclasses set both)
+    serves: tuple[RequestKind, ...]
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.preemptions = {EMBEDDING.value: 0, GENERATION.value: 0}
+        # blocks set aside for refused embedding heads, for the rest of the iteration
+        self._held_back = 0
+        self._held_for: dict[str, int] = {}
+
+    def _reject_reason(self, request: Request) -> str | None:
+        cfg = self.config
+        if request.kind not in self.serves:
+            return f"this replica ({self.name}) does not serve {request.kind.value} requests"
+        total = request.input_len + request.max_output_tokens
+        if cfg.max_model_len is not None and total > cfg.max_model_len:
+            return (
+                f"input_len + max_output_tokens = {total} exceeds the model's maximum length "
+                f"{cfg.max_model_len}"
+            )
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            return (
+                f"{total} tokens need {self.blocks.blocks_for(total)} KV blocks but the cache "
+                f"holds {self.blocks.num_blocks}"
+            )
+        if request.is_embedding and cfg.chunk_size is None and request.input_len > cfg.token_budget:
+            return (
+                f"input_len {request.input_len} exceeds the token budget {cfg.token_budget} and "
+                "embeddings are not chunked (scheduler.chunk_size is null)"
+            )
+        return None
+
+    def _embed_slots_full(self) -> bool:
+        cap = self.config.max_num_embeds
+        return cap is not None and len(self._embeds_holding) >= cap
+
+    def _kv_allows(self, blocks: int, request_id: str) -> bool:
+        """Admission test: ``blocks`` fit beside what is held back for other requests."""
+        held_for_others = self._held_back - self._held_for.get(request_id, 0)
+        return blocks <= self.blocks.num_free - held_for_others
+
+    def _final_blocks(self, request: Request) -> int:
+        """Blocks a generation request will hold at its expected end."""
+        final = request.input_len + max(request.expected_output_tokens, request.num_generated + 1)
+        return max(self.blocks.held(request.request_id), self.blocks.blocks_for(final))
+
+    def _reserve_fits(self, blocks: int, request_id: str) -> bool:
+        """``kv_admission: reserve``: the running generations' expected final sizes, what
+        embeddings hold, what is held back for other requests and ``blocks`` more (the
+        newcomer's final size) all fit the cache. Embeddings are admitted by it too: blocks an
+        embedding takes are blocks a running decode may need."""
+        if self.config.kv_admission != "reserve":
+            return True
+        projected = sum(self._final_blocks(r) for r in self._running)
+        held_for_others = self._held_back - self._held_for.get(request_id, 0)
+        return (projected + self.embedding_blocks() + held_for_others + blocks
+                <= self.blocks.num_blocks)
+
+    def _hold_back(self, request_id: str, blocks: int) -> None:
+        """Set ``blocks`` of the free pool aside for a waiting embedding head for the rest of
+        this iteration: later admissions of other requests cannot take them."""
+        if request_id not in self._held_for:
+            self._held_for[request_id] = blocks
+            self._held_back += blocks
+
+    def embedding_blocks(self) -> int:
+        """KV blocks held by embeddings in flight."""
+        held = self.blocks.held
+        return sum(held(rid) for rid in self._embeds_holding)
+
+    def _admit(self, request: Request, num_tokens: int, now: float) -> None:
+        if not self.blocks.grow(request.request_id, num_tokens):
+            raise RuntimeError(f"request {request.request_id}: admitted without free blocks")
+        request.transition(RequestState.RUNNING)
+        if request.admitted_at is None:
+            request.admitted_at = now
+        self._holding[request.request_id] = request
+        if request.is_embedding:
+            self._embeds_holding[request.request_id] = request
+        self._unqueue_work(request)
+
+    def _release(self, request: Request) -> None:
+        rid = request.request_id
+        self.blocks.free(rid)
+        held = self._holding.pop(rid, None) is not None
+        self._embeds_holding.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._unqueue_work(request)
+        if request.is_embedding:
+            if request in self._embeddings:
+                self._embeddings.remove(request)
+        else:  # a request holding blocks is among the running, one holding none waits
+            for queue in (self._running, self._prefilling) if held else (self._waiting_gen,):
+                if request in queue:
+                    queue.remove(request)
+
+    def _finish(self, request: Request, now: float) -> None:
+        self._release(request)
+        request.transition(RequestState.FINISHED)
+        request.finished_at = now
+
+    def _preempt(self, victim: Request) -> None:
+        """Recompute-preemption: free the victim's blocks and put it back in its queue."""
+        self.blocks.free(victim.request_id)
+        del self._holding[victim.request_id]
+        self._embeds_holding.pop(victim.request_id, None)
+        victim.transition(RequestState.WAITING)
+        victim.reset_for_recompute()
+        self._queue_work(victim)
+        self.preemptions[victim.kind.value] += 1
+        if not victim.is_embedding:
+            self._running.remove(victim)
+            if victim in self._prefilling:
+                self._prefilling.remove(victim)
+            insert_in_order(self._waiting_gen, victim)
