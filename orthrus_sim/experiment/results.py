@@ -22,6 +22,7 @@ import numpy as np
 
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
 from orthrus_sim.experiment.quantiles import Quantiles
+from orthrus_sim.experiment.slo import SloTally, request_tpot, slo_warnings
 
 SCHEMA = "orthrus.results/1"
 PERCENTILES = {"p50": 50, "p95": 95, "p99": 99}
@@ -65,11 +66,12 @@ class RequestLog:
     go to ``rows`` (a CSV writer, say) as requests end, and percentiles come from ``Quantiles``
     (exact up to 100,000 values, then within 0.5 %). ``sample`` keeps that many rows (a uniform
     reservoir) for the plots. ``end_hint``: the window's end when it is known in advance (a run
-    by duration): a request that ends after it counts as unfinished.
+    by duration): a request that ends after it counts as unfinished. ``slo``: the scenario's
+    SLOs, tallied into attainment and goodput (``orthrus_sim.experiment.slo``).
     """
 
     def __init__(self, start: float, rows=None, sample: int | None = None, end_hint: float | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, slo=None) -> None:
         self.start = start
         self.end_hint = end_hint
         self._rows = rows
@@ -87,6 +89,7 @@ class RequestLog:
         self._phase_of: dict[str, int] = {}
         self.phases: dict[int, dict] = {}
         self.last_finish = 0.0
+        self.slo = SloTally(slo, start, end_hint) if slo is not None else None
 
     def sent(self, req: Request, phase: int | None = None) -> None:
         kind = req.kind.value
@@ -110,6 +113,8 @@ class RequestLog:
         self.outstanding.pop(req.request_id, None)
         kind = req.kind.value
         phase = self._phase_of.pop(req.request_id, None)
+        if self.slo is not None:
+            self.slo.ended(req)
         if req.state is RequestState.REJECTED:
             self.rejected[kind] += 1
         elif req.state is RequestState.FINISHED:
@@ -127,9 +132,9 @@ class RequestLog:
                     self.admission[kind].add(req.admitted_at - req.arrival_time)
                 if req.kind is RequestKind.GENERATION and req.first_token_at is not None:
                     self.latency["ttft"].add(req.first_token_at - req.arrival_time)
-                    if req.num_generated > 1:
-                        self.latency["tpot"].add((req.finished_at - req.first_token_at)
-                                                 / (req.num_generated - 1))
+                    tpot = request_tpot(req)
+                    if tpot is not None:
+                        self.latency["tpot"].add(tpot)
         self._row(req, phase)
 
     def _row(self, req: Request, phase: int | None) -> None:
@@ -196,6 +201,8 @@ class RequestLog:
                 "completed": completed, "unfinished": unfinished, "rejected": rejected,
                 "issued": dict(self.issued), "arrived_in_window": dict(self.arrived),
                 "unfinished_in_window": censored, "unfinished_past_p99": past_p99,
+                "slo": self.slo.close(list(self.outstanding.values()), end, window)
+                if self.slo is not None else None,
                 "window_s": [start, end]}
 
     def phase_metrics(self, phases: Sequence) -> list[dict]:
@@ -239,7 +246,7 @@ def window_warnings(metrics: dict) -> list[str]:
             out.append(f"{stuck} of {arrived} {kind} requests that arrived in the window were still "
                        "unfinished at its end, already older than the reported p99: the latency "
                        "percentiles leave them out and are optimistic")
-    return out
+    return out + slo_warnings(metrics)
 
 
 # ----- provenance ----------------------------------------------------------------------------
@@ -329,6 +336,16 @@ COLUMNS = [
     ("rejected", None, None),
     ("unfin.", None, None),
 ]
+# shown when the scenario gives SLOs: goodput (requests/s meeting them) and attainment per kind
+SLO_COLUMNS = [
+    ("goodput/s", "slo.combined.goodput_rps", ".2f"),
+    ("SLO emb", "slo.embedding.attainment", ".1%"),
+    ("SLO gen", "slo.generation.attainment", ".1%"),
+]
+
+
+def _columns(runs: list[dict]) -> list:
+    return COLUMNS + (SLO_COLUMNS if any(r["metrics"].get("slo") for r in runs) else [])
 
 
 def comparison_rows(runs: list[dict]) -> list[dict[str, Any]]:
@@ -337,7 +354,7 @@ def comparison_rows(runs: list[dict]) -> list[dict[str, Any]]:
     for run in runs:
         m = run["metrics"]
         row: dict[str, Any] = {"configuration": run["configuration"]}
-        for col, path, _ in COLUMNS[1:]:
+        for col, path, _ in _columns(runs)[1:]:
             if path is not None:
                 row[col] = _get(m, path)
         pre = m.get("preemptions")
@@ -371,14 +388,17 @@ def comparison_table(runs: list[dict], title: str):
     """A rich table of the runs (every column folds rather than being cut off)."""
     from rich.table import Table
 
+    columns = _columns(runs)
     table = Table(title=title)
-    for col, _, _ in COLUMNS:
+    for col, _, _ in columns:
         table.add_column(col, justify="right", overflow="fold")
     for row in comparison_rows(runs):
-        table.add_row(*[_cell(row[col], fmt) for col, _, fmt in COLUMNS])
+        table.add_row(*[_cell(row[col], fmt) for col, _, fmt in columns])
     table.caption = ("throughput in requests/s; latency and admission wait (adm) in seconds over "
                      "requests that arrived after the warm-up; busy and MFU over the window; "
                      "fill = mean token-budget use")
+    if columns is not COLUMNS:
+        table.caption += "; goodput: requests/s meeting the SLOs; SLO: attainment per kind"
     return table
 
 
