@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,26 +108,34 @@ def run_local(points: list[Point], max_parallel: int) -> Iterator[PointOutcome]:
             except Exception as exc:  # a point's failure is reported; the others go on
                 yield PointOutcome(p, error=_error_text(exc))
         return
+    with _process_pool(max_parallel) as pool:
+        yield from _run_on(pool, points)
+
+
+def _process_pool(workers: int) -> ProcessPoolExecutor:
     import multiprocessing as mp
 
-    with ProcessPoolExecutor(max_parallel, mp_context=mp.get_context("spawn"),
-                             initializer=ignore_sigint) as pool:
-        futures = {pool.submit(run_point, p): p for p in points}
-        try:
-            while futures:
-                done, _ = wait(futures, return_when=FIRST_COMPLETED)
-                for f in done:
-                    p = futures.pop(f)
-                    exc = f.exception()
-                    yield PointOutcome(p, error=_error_text(exc)) if exc else PointOutcome(p, doc=f.result())
-        finally:
-            for f in futures:
-                f.cancel()
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=ignore_sigint)
 
 
-def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iterator[PointOutcome]:
-    """One Ray task per point, at most ``max_parallel`` in flight (None: as many as the
-    cluster has CPUs). ``address`` "auto" joins a running cluster, "local" starts one here."""
+def _run_on(pool: ProcessPoolExecutor, points: list[Point]) -> Iterator[PointOutcome]:
+    futures = {pool.submit(run_point, p): p for p in points}
+    try:
+        while futures:
+            done, _ = wait(futures, return_when=FIRST_COMPLETED)
+            for f in done:
+                p = futures.pop(f)
+                exc = f.exception()
+                yield PointOutcome(p, error=_error_text(exc)) if exc else PointOutcome(p, doc=f.result())
+    finally:
+        for f in futures:
+            f.cancel()
+
+
+@contextmanager
+def _ray_session(address: str, max_parallel: int | None):
+    """Ray, initialised for the block: ``address`` "auto" joins a running cluster, "local"
+    starts one here; a session already up is used as it is (and left up)."""
     try:
         import ray
     except ImportError:
@@ -143,6 +152,16 @@ def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iter
                 raise ValueError(f"--ray auto: no running Ray cluster to join ({exc}); start one "
                                  "with `ray start --head`, or use --ray local") from None
     try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iterator[PointOutcome]:
+    """One Ray task per point, at most ``max_parallel`` in flight (None: as many as the
+    cluster has CPUs). ``address`` "auto" joins a running cluster, "local" starts one here."""
+    with _ray_session(address, max_parallel) as ray:
         bound = max_parallel or max(1, int(ray.cluster_resources().get("CPU", 1)))
         task = ray.remote(num_cpus=1, max_retries=0)(run_point)
         queued = iter(points)
@@ -163,9 +182,23 @@ def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iter
         finally:
             for ref in in_flight:
                 ray.cancel(ref, force=True)
-    finally:
-        if started:
-            ray.shutdown()
+
+
+@contextmanager
+def point_runner(max_parallel: int | None = None, ray: str | None = None):
+    """A function ``points -> outcomes as they finish`` on one pool of local processes, or one
+    Ray session (``ray``: "auto" or "local"), kept for the whole block: a search that runs
+    points in rounds (``orthrus_sim.capacity``) starts its workers once."""
+    if ray is not None:
+        with _ray_session(ray, max_parallel):
+            yield lambda points: run_ray(points, max_parallel, ray)
+        return
+    workers = max(1, max_parallel or os.cpu_count() or 1)
+    if workers == 1:
+        yield lambda points: run_local(points, 1)
+        return
+    with _process_pool(workers) as pool:
+        yield lambda points: _run_on(pool, points)
 
 
 # ----- the sweep ------------------------------------------------------------------------------
