@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -358,6 +359,7 @@ def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, toleranc
                              "add a pool of that kind")
     workers = max(1, max_parallel or os.cpu_count() or 1)
     gpus = scenario.cluster.gpus
+    wall = time.perf_counter()
     with point_runner(workers, ray) as run_points:
         ev = Evaluator(scenario, load, required, run_points, console)
         rates = search_rates(ev, list(scenario.configurations), gpus, tolerance, workers)
@@ -372,7 +374,8 @@ def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, toleranc
     data = scenario_dump(scenario)
     doc = {**results_doc(data, []), "schema": SCHEMA, "required_attainment": required,
            "tolerance": tolerance, "offered_rps_by_kind": load.rates,
-           "rate_search": rates, "gpu_search": gpu_result, "simulations": len(ev.done)}
+           "rate_search": rates, "gpu_search": gpu_result, "simulations": len(ev.done),
+           "workers": workers, "wall_s": time.perf_counter() - wall}
     doc.pop("runs")
     out.mkdir(parents=True, exist_ok=True)
     write_json(doc, out / "capacity.json")
@@ -381,7 +384,8 @@ def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, toleranc
     plots.capacity_plot(doc, out / "capacity.png", f"{scenario.name}: SLO attainment against "
                         f"offered rate ({gpus} x {scenario.hardware})")
     print_capacity(console, doc, scenario.name)
-    console.print(f"results: {out / 'capacity.json'}, {out / 'capacity.png'}", highlight=False)
+    console.print(f"{doc['simulations']} simulations on {workers} workers in {doc['wall_s']:.0f} s; "
+                  f"results: {out / 'capacity.json'}, {out / 'capacity.png'}", highlight=False)
     return doc
 
 

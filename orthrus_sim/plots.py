@@ -166,13 +166,13 @@ def capacity_plot(doc: dict, path: Path, title: str) -> None:
                 continue
             st = dict(style(i), markevery=1)
             ax.plot([x for x, _ in pts], [y for _, y in pts], label=res["configuration"], **st)
-            best = [y for x, y in pts if x == res["max_rate_rps"]]
+            best = [y for x, y in pts if np.isclose(x, res["max_rate_rps"])]
             if best:
                 ax.plot([res["max_rate_rps"]], best, marker="o", markersize=11, fillstyle="none",
                         color=st["color"], linestyle="none")
         ax.axhline(doc["required_attainment"], color="grey", linestyle="--", linewidth=1,
                    label=f"required {doc['required_attainment']:.0%}")
-        _log_x(ax)
+        ax.set_xlim(left=0)
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("offered rate, both kinds (requests / s)")
         ax.set_ylabel(f"{kind} SLO attainment")
