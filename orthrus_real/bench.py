@@ -140,7 +140,8 @@ class LiveDriver:
         self.token_range = token_range
         self.t0 = time.monotonic()
         self.workload = Workload(scenario, self.now, keep_specs)
-        self.log = RequestLog(scenario.warmup_s, end_hint=scenario.duration_s, seed=scenario.seed)
+        self.log = RequestLog(scenario.warmup_s, end_hint=scenario.duration_s, seed=scenario.seed,
+                              slo=scenario.slo)
         self.retrieval_s: list[float] = []
         self.index: np.ndarray | None = None
         self._tasks: list[asyncio.Task] = []

@@ -91,6 +91,62 @@ def sweep(
         raise typer.Exit(1)
 
 
+def _demand(text: str | None) -> dict[str, float] | None:
+    """``embedding=R,generation=R`` -> requests/s per kind."""
+    if text is None:
+        return None
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        kind, _, value = item.partition("=")
+        kind = kind.strip()
+        if kind not in ("embedding", "generation") or not value.strip():
+            raise ValueError(f"--demand {text!r}: expected embedding=R,generation=R (requests/s), "
+                             f"got {item!r}")
+        try:
+            out[kind] = float(value)
+        except ValueError:
+            raise ValueError(f"--demand {text!r}: {value!r} is not a number") from None
+        if out[kind] < 0:
+            raise ValueError(f"--demand {text!r}: a rate must be >= 0, got {value}")
+    return out
+
+
+@app.command()
+def capacity(
+    scenario: str = typer.Argument(..., help=SCENARIO_HELP + " (open-loop pools and an slo section)"),
+    attainment: float = typer.Option(0.99, help="SLO attainment every kind must reach (0-1]"),
+    tolerance: float = typer.Option(0.05, help="stop when the next rate tried is within this "
+                                               "fraction above the answer"),
+    demand: str = typer.Option(None, "--demand", help="embedding=R,generation=R: requests/s the "
+                               "GPU search must serve (default: the scenario's own rates)"),
+    max_gpus: int = typer.Option(8, "--max-gpus", help="GPU search up to this many (0: skip it)"),
+    out: Path = typer.Option(Path("out/capacity"), "--out", help="capacity.json and capacity.png"),
+    set_: list[str] = typer.Option([], "--set", help="override a field: section.key=value (YAML)"),
+    max_parallel: int = typer.Option(0, "--max-parallel", "--workers",
+                                     help="simulations at once (0: one per CPU)"),
+    ray: str = typer.Option(None, "--ray", help="run the simulations as Ray tasks: auto (join a "
+                                                "running cluster) or local (start one here)"),
+) -> None:
+    """Per configuration: the highest offered open-loop rate (the scenario's mix) that meets
+    the scenario's SLOs at the required attainment, and the fewest GPUs that serve a given rate
+    of each kind; bisection over simulator runs, in parallel through the sweep backend."""
+    from orthrus_sim.capacity import run_capacity
+    from orthrus_sim.experiment.scenario import load_scenario
+
+    if ray is not None and ray not in ("auto", "local"):
+        fail(f"--ray must be auto or local, got {ray!r}")
+    if max_parallel < 0:
+        fail(f"--max-parallel must be >= 0, got {max_parallel}")
+    try:
+        sc = load_scenario(scenario, set_)
+        run_capacity(sc, out, attainment, tolerance, _demand(demand), max_gpus,
+                     max_parallel or None, ray, console)
+    except ValueError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        interrupted()
+
+
 @app.command()
 def validate(
     scenario: str = typer.Argument(..., help=SCENARIO_HELP),

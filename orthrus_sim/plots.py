@@ -178,3 +178,30 @@ def sweep_plot(points: list[dict], keys: list[str], path: Path, title: str) -> N
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     _finish(fig, list(axes.flat)[:len(panels)], path, title)
+
+
+def capacity_plot(doc: dict, path: Path, title: str) -> None:
+    """SLO attainment against offered rate, one panel per kind the mix sends, one line per
+    configuration (the rate search's runs), the required attainment dashed, each
+    configuration's answer circled."""
+    kinds = [k for k, r in doc["offered_rps_by_kind"].items() if r > 0]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.2), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for i, res in enumerate(doc["rate_search"]):
+            pts = [(r["offered_rps"], r["attainment"][kind]) for r in res["runs"]
+                   if r["attainment"][kind] is not None]
+            if not pts:
+                continue
+            st = dict(style(i), markevery=1)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], label=res["configuration"], **st)
+            best = [y for x, y in pts if np.isclose(x, res["max_rate_rps"])]
+            if best:
+                ax.plot([res["max_rate_rps"]], best, marker="o", markersize=11, fillstyle="none",
+                        color=st["color"], linestyle="none")
+        ax.axhline(doc["required_attainment"], color="grey", linestyle="--", linewidth=1,
+                   label=f"required {doc['required_attainment']:.0%}")
+        ax.set_xlim(left=0)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("offered rate, both kinds (requests / s)")
+        ax.set_ylabel(f"{kind} SLO attainment")
+    _finish(fig, list(axes[0]), path, title)

@@ -54,27 +54,34 @@ def ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent reports Ctrl-C once
 
 
+def process_pool(workers: int) -> ProcessPoolExecutor:
+    """The one process pool of runs, sweeps and searches: spawned workers that leave Ctrl-C to
+    the parent."""
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=ignore_sigint)
+
+
 def in_processes(fn: Callable[[Any], Any], items: list, workers: int,
-                 poll: Callable[[], None] | None = None) -> Iterator[tuple[Any, Future]]:
-    """``fn(item)`` for every item in ``workers`` spawned processes (Ctrl-C reaches the parent
-    only), yielding ``(item, future)`` as each finishes; ``poll()`` runs every 0.1 s while they
-    work (progress). What has not started when the caller stops (or Ctrl-C) is cancelled.
-    The one process pool of runs and sweeps."""
-    ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=ignore_sigint) as pool:
-        futures = {pool.submit(fn, item): item for item in items}
-        try:
-            while futures:
-                done, _ = wait(futures, timeout=0.1 if poll else None, return_when=FIRST_COMPLETED)
-                if poll is not None:
-                    poll()
-                for f in done:
-                    yield futures.pop(f), f
-        finally:
-            for f in futures:
-                f.cancel()
-            if futures:
-                pool.shutdown(wait=False, cancel_futures=True)
+                 poll: Callable[[], None] | None = None,
+                 pool: ProcessPoolExecutor | None = None) -> Iterator[tuple[Any, Future]]:
+    """``fn(item)`` for every item in ``workers`` worker processes (``pool``: an open
+    ``process_pool`` kept by the caller across calls), yielding ``(item, future)`` as each
+    finishes; ``poll()`` runs every 0.1 s while they work (progress). What has not started when
+    the caller stops (or Ctrl-C) is cancelled."""
+    if pool is None:
+        with process_pool(workers) as own:
+            yield from in_processes(fn, items, workers, poll, own)
+        return
+    futures = {pool.submit(fn, item): item for item in items}
+    try:
+        while futures:
+            done, _ = wait(futures, timeout=0.1 if poll else None, return_when=FIRST_COMPLETED)
+            if poll is not None:
+                poll()
+            for f in done:
+                yield futures.pop(f), f
+    finally:
+        for f in futures:
+            f.cancel()
 
 
 def run_tasks(tasks: list[Task], workers: int | None = None,

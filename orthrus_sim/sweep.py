@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orthrus_sim.experiment.results import format_rows, results_doc, write_json
 from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump, split_gpus
-from orthrus_sim.runner import Task, in_processes, run_task
+from orthrus_sim.runner import Task, in_processes, process_pool, run_task
 
 BACKENDS = ("local", "ray")
 
@@ -106,14 +107,19 @@ def run_local(points: list[Point], max_parallel: int) -> Iterator[PointOutcome]:
             except Exception as exc:  # a point's failure is reported; the others go on
                 yield PointOutcome(p, error=_error_text(exc))
         return
-    for p, future in in_processes(run_point, points, max_parallel):
+    yield from _outcomes(in_processes(run_point, points, max_parallel))
+
+
+def _outcomes(finished) -> Iterator[PointOutcome]:
+    for p, future in finished:
         exc = future.exception()
         yield PointOutcome(p, error=_error_text(exc)) if exc else PointOutcome(p, doc=future.result())
 
 
-def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iterator[PointOutcome]:
-    """One Ray task per point, at most ``max_parallel`` in flight (None: as many as the
-    cluster has CPUs). ``address`` "auto" joins a running cluster, "local" starts one here."""
+@contextmanager
+def _ray_session(address: str, max_parallel: int | None):
+    """Ray, initialised for the block: ``address`` "auto" joins a running cluster, "local"
+    starts one here; a session already up is used as it is (and left up)."""
     try:
         import ray
     except ImportError:
@@ -130,6 +136,16 @@ def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iter
                 raise ValueError(f"--ray auto: no running Ray cluster to join ({exc}); start one "
                                  "with `ray start --head`, or use --ray local") from None
     try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iterator[PointOutcome]:
+    """One Ray task per point, at most ``max_parallel`` in flight (None: as many as the
+    cluster has CPUs). ``address`` "auto" joins a running cluster, "local" starts one here."""
+    with _ray_session(address, max_parallel) as ray:
         bound = max_parallel or max(1, int(ray.cluster_resources().get("CPU", 1)))
         task = ray.remote(num_cpus=1, max_retries=0)(run_point)
         queued = iter(points)
@@ -150,9 +166,23 @@ def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iter
         finally:
             for ref in in_flight:
                 ray.cancel(ref, force=True)
-    finally:
-        if started:
-            ray.shutdown()
+
+
+@contextmanager
+def point_runner(max_parallel: int | None = None, ray: str | None = None):
+    """A function ``points -> outcomes as they finish`` on one pool of local processes, or one
+    Ray session (``ray``: "auto" or "local"), kept for the whole block: a search that runs
+    points in rounds (``orthrus_sim.capacity``) starts its workers once."""
+    if ray is not None:
+        with _ray_session(ray, max_parallel):
+            yield lambda points: run_ray(points, max_parallel, ray)
+        return
+    workers = max(1, max_parallel or os.cpu_count() or 1)
+    if workers == 1:
+        yield lambda points: run_local(points, 1)
+        return
+    with process_pool(workers) as pool:
+        yield lambda points: _outcomes(in_processes(run_point, points, workers, pool=pool))
 
 
 # ----- the sweep ------------------------------------------------------------------------------

@@ -52,3 +52,31 @@ def drive(
         if len(batches) > max_iterations:
             raise AssertionError(f"more than {max_iterations} iterations")
     return batches
+
+
+def slo_from_rows(rows: list[dict], slo: dict, start: float = 0.0) -> dict[str, tuple[int, int]]:
+    """Per kind, ``(met, counted)`` recomputed from per-request rows of a run to completion
+    (every fate known): a request counts when it arrived at or after ``start``; it meets the SLOs
+    when it finished within every bound given for its kind (TPOT as vLLM: (e2e - ttft) /
+    (outputs - 1), none for one output token)."""
+    out = {}
+    for kind in ("embedding", "generation"):
+        met = counted = 0
+        for r in rows:
+            if r["kind"] != kind or r["arrival_s"] < start - 1e-9:
+                continue
+            counted += 1
+            if r["state"] != "finished":
+                continue
+            e2e = r["finished_s"] - r["arrival_s"]
+            if kind == "embedding":
+                ok = e2e <= slo.get("latency_s", float("inf"))
+            else:
+                ttft = r["first_token_s"] - r["arrival_s"]
+                n = r["output_tokens"]
+                tpot = (e2e - ttft) / (n - 1) if n > 1 else 0.0
+                ok = (ttft <= slo.get("ttft_s", float("inf")) and tpot <= slo.get("tpot_s", float("inf"))
+                      and e2e <= slo.get("e2e_s", float("inf")))
+            met += ok
+        out[kind] = (met, counted)
+    return out

@@ -18,6 +18,7 @@ pytest.importorskip("httpx")
 from orthrus_real.bench import LiveDriver, bench, write_results  # noqa: E402
 from orthrus_sim.experiment.scenario import parse_scenario  # noqa: E402
 from orthrus_sim.sim.run import simulate  # noqa: E402
+from tests.helpers import slo_from_rows  # noqa: E402
 from tests.test_server import start_server  # noqa: E402
 
 
@@ -38,14 +39,15 @@ def mix(**extra) -> dict:
 
 
 def test_closed_loop_mix_writes_the_simulators_schema(live, tmp_path):
-    scenario = parse_scenario(mix())
+    slo = {"ttft_s": 0.05, "tpot_s": 0.01, "e2e_s": 0.5, "latency_s": 0.05}
+    scenario = parse_scenario(mix(slo=slo))
     doc, rows = asyncio.run(bench(live, scenario))
     measured = doc["runs"][0]["metrics"]
     simulated = simulate(scenario, "orthrus").metrics
     assert doc["schema"] == "orthrus.results/1" and doc["scenario_sha256"] and doc["version"]
     for key in ("throughput_rps", "latency_s", "admission_wait_s", "utilization", "budget_fill",
                 "completed", "unfinished", "rejected", "issued", "iterations", "preemptions",
-                "window_s", "warnings"):
+                "window_s", "warnings", "slo"):
         assert key in measured and key in simulated, key
     assert set(measured["latency_s"]) == set(simulated["latency_s"])
     for m in (measured, simulated):
@@ -60,6 +62,11 @@ def test_closed_loop_mix_writes_the_simulators_schema(live, tmp_path):
     assert 0 < measured["utilization"]["busy"] <= 1.05
     assert measured["iterations"] > 0 and measured["utilization"]["mfu"] > 0
     assert measured["preemptions"] == {"embedding": 0, "generation": 0}
+    # SLO attainment and goodput from the same rule as the simulator's: check it on the rows
+    for kind, (met, counted) in slo_from_rows(rows, slo).items():
+        s = measured["slo"][kind]
+        assert (s["met"], s["met"] + s["missed"]) == (met, counted)
+        assert s["goodput_rps"] <= measured["throughput_rps"][kind]
     path = write_results(doc, rows, tmp_path)
     assert json.loads(path.read_text())["runs"][0]["configuration"] == "measured"
     assert (tmp_path / "requests_measured.csv").read_text().count("\n") == 41

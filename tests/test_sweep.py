@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from orthrus_sim import sweep as sweep_mod
 from orthrus_sim.cli import app
-from orthrus_sim.sweep import Point, plan_sweep, run_ray, run_sweep
+from orthrus_sim.sweep import Point, plan_sweep, point_runner, run_local, run_ray, run_sweep
 
 runner = CliRunner()
 
@@ -66,6 +66,29 @@ def test_ray_reports_a_failed_point_and_runs_the_others(local_ray):
     assert set(outcomes) == {"point-bad", "point-0000", "point-0001"}
     assert "seed" in outcomes["point-bad"].error and outcomes["point-bad"].doc is None
     assert all(outcomes[p.name].doc["runs"] for p in points)
+
+
+def test_point_runner_on_ray_runs_rounds_in_one_session(local_ray):
+    """What a search runs round after round (orthrus_sim.capacity) on one Ray session gives
+    the numbers of a local run."""
+    _, _, points = plan_sweep(small(), [], GRID)
+
+    def numbers(outcomes):
+        return sorted(numbers_of_doc(o.point.name, o.doc) for o in outcomes)
+
+    expected = numbers(run_local(points, 1))
+    with point_runner(2, "local") as run:
+        got = numbers(run(points[:2])) + numbers(run(points[2:]))
+    assert sorted(got) == expected
+
+
+def numbers_of_doc(name: str, doc: dict) -> tuple:
+    runs = []
+    for run in doc["runs"]:
+        m = dict(run["metrics"])
+        m.pop("sim_wall_s")
+        runs.append((run["configuration"], json.dumps(m, sort_keys=True)))
+    return name, runs
 
 
 def test_an_interrupted_sweep_resumes_and_runs_only_what_is_missing(tmp_path, monkeypatch):

@@ -127,6 +127,34 @@ def _scheduler_section() -> type[_SchedulerExtras]:
 SchedulerSection = _scheduler_section()
 
 
+class SloSection(Strict):
+    """Service-level objectives, as vLLM's ``bench serve --goodput`` and DistServe define them:
+    a request meets them when it finished and every bound given for its kind holds (a kind with
+    none given: finishing is enough). Any subset; every bound in seconds."""
+
+    ttft_s: float | None = Field(default=None, gt=0, description="generation: arrival to first "
+                                                                 "token")
+    tpot_s: float | None = Field(default=None, gt=0, description="generation: time per output "
+                                 "token, (e2e - ttft) / (output tokens - 1) per request")
+    e2e_s: float | None = Field(default=None, gt=0, description="generation: arrival to finish")
+    latency_s: float | None = Field(default=None, gt=0, description="embedding: arrival to finish")
+
+    @model_validator(mode="after")
+    def _some_bound(self):
+        if all(v is None for v in (self.ttft_s, self.tpot_s, self.e2e_s, self.latency_s)):
+            raise ValueError("give at least one of ttft_s, tpot_s, e2e_s (generation) or "
+                             "latency_s (embedding), or leave the slo section out")
+        return self
+
+    def bounds(self, kind: str) -> dict[str, float]:
+        """The bounds given for ``kind`` (embedding or generation), by field name."""
+        names = ("latency_s",) if kind == "embedding" else ("ttft_s", "tpot_s", "e2e_s")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+PROCESSES = ("closed-loop", "poisson", "gamma", "burst")
+
+
 class Arrival(Strict):
     """The default load: one pool whose clients (or arrivals) draw their kind from the mix, or,
     with ``pools: per-kind``, closed-loop clients split between the kinds by the generation
@@ -313,6 +341,7 @@ class Scenario(Strict):
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)  # type: ignore[valid-type]
     workload: Workload = Field(default_factory=Workload)
     configurations: list[str] = ["orthrus"]
+    slo: SloSection | None = Field(default=None, description="SLOs for attainment and goodput")
     max_sim_time_s: float = Field(default=36_000.0, gt=0)
     timeline_interval_s: float = Field(default=1.0, gt=0)
 

@@ -64,7 +64,8 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
     env = simpy.Environment()
     sink = CsvRows(requests_csv) if requests_csv is not None else None
     sample = PLOT_SAMPLE if sink else (None if keep_rows else 0)
-    log = RequestLog(scenario.warmup_s, sink, sample, scenario.duration_s, scenario.seed)
+    log = RequestLog(scenario.warmup_s, sink, sample, scenario.duration_s, scenario.seed,
+                     scenario.slo)
     box: list[SimDriver] = []
     cluster = Cluster(env, scenario, configuration, lambda r: box[0].request_done(r),
                       cost_factory, fast_forward)
