@@ -91,7 +91,7 @@ class _SchedulerExtras(Strict):
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            raise ValueError(_format(exc, source, overrides, ("scheduler",))) from None
+            raise ValueError(_format(exc, source, overrides, ("scheduler",), "invalid")) from None
 
     def config(self, **changes) -> SchedulerConfig:
         """The ``SchedulerConfig`` of this section: every field of it, ``changes`` applied
@@ -455,10 +455,10 @@ def did_you_mean(loc: str) -> str:
 
 
 def _format(exc: ValidationError, source: str, overrides: list[tuple[str, str]] = (),
-            prefix: tuple[str, ...] = ()) -> str:
+            prefix: tuple[str, ...] = (), what: str = "invalid scenario") -> str:
     """One line per problem, named by its field path; a problem in a field that an override
     set names that override (``--set k=v``, ``--grid k=v``) rather than the file."""
-    lines = [f"{source}: invalid scenario"]
+    lines = [f"{source}: {what}"]
     for err in exc.errors():
         loc = ".".join(str(p) for p in (*prefix, *err["loc"])
                        if not str(p).startswith("function-after"))
