@@ -152,9 +152,6 @@ class SloSection(Strict):
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
-PROCESSES = ("closed-loop", "poisson", "gamma", "burst")
-
-
 class Arrival(Strict):
     """The default load: one pool whose clients (or arrivals) draw their kind from the mix, or,
     with ``pools: per-kind``, closed-loop clients split between the kinds by the generation
