@@ -4,10 +4,11 @@ mix sweep (scenarios/mix_sweep.yaml), per generation share.
 Points: the Dedicated splits (1:3, 2:2, 3:1) and the Unified baselines as the brief specifies
 them; Orthrus with an iteration-time target from 1x to 3x the decode-only step (Dedicated-1:3's
 TPOT p50 at that share), with round-robin and with adaptive placement. Writes
-docs/reproduction/frontier.json, one plot per share and the table of docs/reproduction.md's
-"Co-serving frontier" section (printed). Deterministic: the simulator is.
+frontier.json and frontier.png (docs/reproduction/frontier/ by default) and prints the table;
+``scripts/make_reproduction.py`` runs it for docs/reproduction.md's "Co-serving frontier".
+Deterministic: the simulator is.
 
-    python scripts/make_frontier.py [--workers 2] [--shares 0.1,0.5,0.9]
+    python scripts/make_frontier.py [--workers 2] [--shares 0.1,0.5,0.9] [--quick]
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from pathlib import Path
 SPLITS = ["dedicated-1:3", "dedicated-2:2", "dedicated-3:1"]
 BASELINES = ["unified-hetero", "unified-homo", "orthrus"]
 TARGETS = [1.0, 1.25, 1.5, 2.0, 3.0]
-OUT = Path("docs/reproduction")
+OUT = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "frontier"
+SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "mix_sweep.yaml"
+QUICK = ["duration_s=60", "warmup_s=10"]
 
 
-def run_point(args: tuple[float, str, list[str]]) -> dict:
+def run_point(args: tuple[float, str, list[str], list[str]]) -> dict:
     from orthrus_sim.experiment.scenario import load_scenario
     from orthrus_sim.sim.run import simulate
 
-    share, configuration, sets = args
-    sc = load_scenario("scenarios/mix_sweep.yaml", [f"workload.generation_share={share}", *sets])
+    share, configuration, sets, base = args
+    sc = load_scenario(SCENARIO, [*base, f"workload.generation_share={share}", *sets])
     m = simulate(sc, configuration, keep_rows=False).metrics
     return {"share": share, "configuration": configuration, "set": sets,
             "embedding_rps": m["throughput_rps"]["embedding"],
@@ -51,29 +54,38 @@ def normalised(p: dict, ref: dict) -> float:
     return p["embedding_rps"] / ref["emb_per_gpu"] + p["generation_rps"] / ref["gen_per_gpu"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--shares", default="0.1,0.5,0.9")
-    args = ap.parse_args()
-    shares = [float(s) for s in args.shares.split(",")]
-    with ProcessPoolExecutor(args.workers) as pool:
-        first = list(pool.map(run_point, [(s, c, []) for s in shares for c in SPLITS + BASELINES]))
+def compute(shares: list[float], workers: int = 2, quick: bool = False, out: Path = OUT) -> list[dict]:
+    """Every point of the frontier; writes frontier.json and frontier.png under ``out``."""
+    base = QUICK if quick else []
+    with ProcessPoolExecutor(workers) as pool:
+        first = list(pool.map(run_point, [(s, c, [], base) for s in shares
+                                          for c in SPLITS + BASELINES]))
         step = {p["share"]: p["tpot_p50_s"] for p in first if p["configuration"] == "dedicated-1:3"}
         jobs = []
         for s in shares:
             for x in TARGETS:
-                base = [f"scheduler.tpot_target_s={x * step[s]:.6f}",
+                sets = [f"scheduler.tpot_target_s={x * step[s]:.6f}",
                         "scheduler.waiting_work=prompt+output"]
-                jobs += [(s, "orthrus", base), (s, "orthrus", base + ["cluster.router=adaptive"])]
+                jobs += [(s, "orthrus", sets, base),
+                         (s, "orthrus", sets + ["cluster.router=adaptive"], base)]
         second = list(pool.map(run_point, jobs))
     for p in second:
         p["target_x"] = round(float(p["set"][0].split("=")[1]) / step[p["share"]], 2)
     points = first + second
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "frontier.json").write_text(json.dumps(points, indent=1) + "\n")
-    _plots(points, shares)
-    _table(points, shares)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "frontier.json").write_text(json.dumps(points, indent=1) + "\n")
+    _plots(points, shares, out)
+    return points
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--shares", default="0.1,0.5,0.9")
+    ap.add_argument("--quick", action="store_true", help="60-s runs (a smoke test)")
+    args = ap.parse_args()
+    shares = [float(s) for s in args.shares.split(",")]
+    print("\n".join(table(compute(shares, args.workers, args.quick), shares)))
 
 
 def _reference(points: list[dict], share: float) -> dict:
@@ -81,7 +93,7 @@ def _reference(points: list[dict], share: float) -> dict:
     return {"emb_per_gpu": d13["embedding_rps"] / 1, "gen_per_gpu": d13["generation_rps"] / 3}
 
 
-def _plots(points: list[dict], shares: list[float]) -> None:
+def _plots(points: list[dict], shares: list[float], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,27 +125,35 @@ def _plots(points: list[dict], shares: list[float]) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(OUT / "frontier.png", dpi=120)
+    fig.savefig(out / "frontier.png", dpi=120)
+    plt.close(fig)
 
 
-def _table(points: list[dict], shares: list[float]) -> None:
-    print("| share | configuration | emb/s | gen/s | TPOT p99 (ms) | TTFT p99 (s) | normalised | "
-          "dominated by a split |")
-    print("|---|---|---|---|---|---|---|---|")
+def dominated_by(p: dict, points: list[dict]) -> list[str]:
+    """The static splits that serve both kinds more than 2 % more at a TPOT p99 no worse."""
+    tpot = p["tpot_p99_s"]
+    return [s["configuration"] for s in points
+            if s["share"] == p["share"] and s["configuration"] in SPLITS and s is not p
+            and tpot is not None and s["tpot_p99_s"] <= tpot
+            and s["embedding_rps"] > 1.02 * p["embedding_rps"]
+            and s["generation_rps"] > 1.02 * p["generation_rps"]]
+
+
+def table(points: list[dict], shares: list[float]) -> list[str]:
+    """The markdown table of every point."""
+    lines = ["| share | configuration | emb/s | gen/s | TPOT p99 (ms) | TTFT p99 (s) | normalised "
+             "| dominated by a split |", "|---|---|---|---|---|---|---|---|"]
     for share in shares:
         ref = _reference(points, share)
         here = [p for p in points if p["share"] == share]
-        splits = [p for p in here if p["configuration"] in SPLITS]
-        for p in sorted(here, key=lambda p: (p["configuration"] != "orthrus" or bool(p["set"]),
-                                            label(p))):
-            tpot = p["tpot_p99_s"]
-            dom = [s["configuration"] for s in splits if tpot is not None and s is not p
-                   and s["tpot_p99_s"] <= tpot and s["embedding_rps"] > 1.02 * p["embedding_rps"]
-                   and s["generation_rps"] > 1.02 * p["generation_rps"]]
-            print(f"| {share} | {label(p)} | {p['embedding_rps']:.1f} | {p['generation_rps']:.2f} | "
-                  f"{tpot * 1e3 if tpot else float('nan'):.1f} | "
-                  f"{p['ttft_p99_s'] if p['ttft_p99_s'] is not None else float('nan'):.2f} | "
-                  f"{normalised(p, ref):.2f} | {', '.join(dom) or 'no'} |")
+        for p in sorted(here, key=lambda p: (bool(p["set"]), p.get("target_x", 0), label(p))):
+            tpot, ttft = p["tpot_p99_s"], p["ttft_p99_s"]
+            lines.append(
+                f"| {share} | {label(p)} | {p['embedding_rps']:.1f} | {p['generation_rps']:.2f} | "
+                f"{'-' if tpot is None else f'{tpot * 1e3:.1f}'} | "
+                f"{'-' if ttft is None else f'{ttft:.2f}'} | {normalised(p, ref):.2f} | "
+                f"{', '.join(dominated_by(p, points)) or 'no'} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -374,6 +374,7 @@ SLO_COLUMNS = [
 
 
 def _columns(runs: list[dict]) -> list[Column]:
+    """Every column; the SLO ones where some run was judged against SLOs."""
     return COLUMNS + (SLO_COLUMNS if any(r["metrics"].get("slo") for r in runs) else [])
 
 
@@ -423,7 +424,7 @@ def comparison_table(runs: list[dict], title: str, wide: bool = False):
         table.add_row(row["configuration"], *[_cell(row[c.name], c.fmt) for c in cols])
     table.caption = ("req/s, output tok/s: finished in the window; latencies (s): requests that "
                      "arrived after the warm-up" + ("" if wide else "; --wide: all columns"))
-    if columns is not COLUMNS:
+    if len(columns) > len(COLUMNS):
         table.caption += "; goodput: requests/s meeting the SLOs; SLO: attainment per kind"
     return table
 
