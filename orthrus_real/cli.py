@@ -115,7 +115,10 @@ def serve(
     max_model_len: int = typer.Option(None, help="longest prompt + output accepted (default: the "
                                                  "model's)"),
     api_key: str = typer.Option(None, "--api-key", envvar="ORTHRUS_API_KEY",
-                                help="require 'Authorization: Bearer KEY' (401 without it)"),
+                                help="require 'Authorization: Bearer KEY' (401 without it); an "
+                                     "empty key is refused"),
+    max_inputs_per_request: int = typer.Option(256, help="prompts or embedding inputs one request "
+                                               "may hold (400 above it)"),
     log_level: str = typer.Option("info", help="critical | error | warning | info | debug"),
 ) -> None:
     """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine.
@@ -124,25 +127,28 @@ def serve(
     """
     from dataclasses import replace
 
-    from orthrus_real.serving import build, setup_logging
+    from orthrus_real.serving import bind_socket, build, check_max_model_len, setup_logging
     from orthrus_real.serving import serve as run_server
 
     if not 1 <= port <= 65535:
         fail(f"--port must be between 1 and 65535, got {port}")
     try:
         setup_logging(log_level)
+        check_max_model_len(str(model), max_model_len)
+        sock = bind_socket(host, port)  # before the model loads: a taken port fails at once
         policy, sched = scheduler_settings(scenario, configuration, set_, policy, token_budget,
                                            chunk_size, max_num_seqs)
         if max_model_len is not None:
             sched = replace(sched, max_model_len=max_model_len)
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
-                             served_model_name, device, dtype, pooling, threads, backend, api_key)
+                             served_model_name, device, dtype, pooling, threads, backend, api_key,
+                             max_inputs_per_request)
     except (ValueError, RuntimeError) as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
-    run_server(app_, runner, host, port, log_level=log_level)
+    run_server(app_, runner, host, port, sock=sock, log_level=log_level)
 
 
 @app.command()

@@ -35,8 +35,8 @@ def _params(ctx: ServerContext, body, prompt_ids: list[int], param: str, chat: b
                             f"model's maximum length {limit}", param, code="context_length_exceeded")
     try:
         params = SamplingParams(**{**body.sampling_kwargs(), "max_tokens": wanted})
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
+    except ValueError as exc:  # the message starts with the parameter's name
+        raise ApiError(400, str(exc), str(exc).split()[0]) from None
     return dict(token_ids=prompt_ids, params=params)
 
 
@@ -53,7 +53,7 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
         obj = "chat.completion" if chat else "text_completion"
         prompt_tokens = sum(len(ids) for ids in prompts)
         if not body.stream:
-            outs = [await ctx.final(r, q, request, param) for r, q in pending]
+            outs = await ctx.finals(pending, request, param)
             choices = []
             for i, out in enumerate(outs):
                 choice = {"index": i, "finish_reason": out.finish_reason, "logprobs": None}
@@ -133,7 +133,9 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
 async def completions(body: CompletionBody, request: Request, ctx: ServerContext = Depends(context)):
     body.check_supported()
     ctx.check_model(body.model, "completions")
-    prompts = [ctx.tokens_of(item, "prompt") for item in body.prompts()]
+    items = body.prompts()
+    ctx.check_count(len(items), "prompt")
+    prompts = [await ctx.tokens_of(item, "prompt", body) for item in items]
     return await _generate(ctx, body, prompts, request, chat=False)
 
 
@@ -147,4 +149,5 @@ async def chat_completions(body: ChatBody, request: Request, ctx: ServerContext 
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     text = ctx.chat_template.render(messages=messages, add_generation_prompt=True,
                                     bos_token="<s>", eos_token="</s>")
-    return await _generate(ctx, body, [ctx.tokens_of({"text": text}, "messages")], request, chat=True)
+    return await _generate(ctx, body, [await ctx.tokens_of({"text": text}, "messages", body)], request,
+                           chat=True)
