@@ -4,8 +4,8 @@ through callbacks (the HTTP server turns them into asyncio queues).
 Isolation: a request can fail, the engine thread does not. The PyTorch engine finds the rows
 that make a step raise itself (``Engine._run_isolated``) and fails only their requests. An error
 that escapes ``step`` (the vLLM backend's core, or anything outside the forward pass) cannot be
-attributed from here: the thread logs it, fails the requests that already sent output (they
-cannot be re-run unseen), rebuilds the engine, and re-runs the others one at a time
+attributed from here: the thread logs it, fails the streamed requests that already sent output
+(they cannot be re-run unseen), rebuilds the engine, and re-runs the others one at a time
 ("probation") before taking new ones again; a step that fails with one request in the engine
 fails that request. Only when the engine cannot be rebuilt does the server stop serving (503).
 """
@@ -71,7 +71,8 @@ class EngineThread:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.sinks: dict[str, Sink] = {}  # requests in the engine or on probation
         self.requests: dict[str, tuple[str, dict, float]] = {}  # rid -> (kind, kwargs, submitted)
-        self.answered: set[str] = set()  # requests that already delivered an output
+        self.answered: set[str] = set()  # streamed requests that already delivered an output
+        self.streamed: set[str] = set()  # requests whose outputs reach the client as they come
         self.probation: deque[str] = deque()  # re-run one at a time after an engine failure
         self.held: list[tuple] = []  # new requests waiting for probation to end
         self.solo: str | None = None  # the request on probation now in the engine
@@ -117,7 +118,10 @@ class EngineThread:
         self.thread.join(timeout)
 
     # ----- called from other threads ---------------------------------------------------------
-    def submit(self, kind: str, request_id: str, kwargs: dict, sink: Sink) -> None:
+    def submit(self, kind: str, request_id: str, kwargs: dict, sink: Sink,
+               streamed: bool = False) -> None:
+        """Queue a request; ``streamed``: its client sees outputs as they come (so it cannot be
+        re-run unseen once one was delivered)."""
         with self._lock:
             if self.failed:
                 raise Draining(f"the engine failed ({self.failed}); restart the server")
@@ -127,7 +131,7 @@ class EngineThread:
                 raise QueueFull(f"the request queue is full ({self.outstanding} requests in flight, "
                                 f"limit {self.max_queued})")
             self.outstanding += 1
-        self.inbox.put(("add", kind, request_id, kwargs, sink, time.monotonic()))
+        self.inbox.put(("add", kind, request_id, kwargs, sink, time.monotonic(), streamed))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
@@ -139,6 +143,7 @@ class EngineThread:
         self.sinks.pop(request_id, None)
         self.requests.pop(request_id, None)
         self.answered.discard(request_id)
+        self.streamed.discard(request_id)
         with self._lock:
             self.outstanding -= 1
 
@@ -149,7 +154,8 @@ class EngineThread:
             if self.on_output is not None and entry is not None:
                 self.on_output(out, entry[2], time.monotonic())
             sink(RequestFailed(out.error) if out.error else out)
-            self.answered.add(out.request_id)
+            if out.request_id in self.streamed:
+                self.answered.add(out.request_id)
         if out.finished:
             self._done(out.request_id)
 
@@ -173,8 +179,10 @@ class EngineThread:
 
     def _handle(self, msg: tuple) -> None:
         if msg[0] == "add":
-            _, kind, rid, kwargs, sink, submitted = msg
+            _, kind, rid, kwargs, sink, submitted, streamed = msg
             self.requests[rid] = (kind, kwargs, submitted)
+            if streamed:
+                self.streamed.add(rid)
             if self._on_probation():  # re-running suspects one at a time: new work waits
                 self.held.append(msg)
                 return

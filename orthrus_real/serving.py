@@ -89,7 +89,8 @@ def build(model: str, adapter: str | None = None, policy: str = "ibs", scheduler
           kv_cache_tokens: int = 32768, max_queued: int = 1024, max_body_bytes: int = 1 << 20,
           served_model_name: str | None = None, device: str | None = None, dtype: str | None = None,
           pooling: str = "mean", threads: int = 0, backend: str = "torch",
-          api_key: str | None = None, max_inputs_per_request: int = 256):
+          api_key: str | None = None, max_inputs_per_request: int = 256,
+          body_timeout: float = 30.0):
     """Engine thread, metrics and app; the engine is ready when this returns."""
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the option (and "
@@ -110,7 +111,8 @@ def build(model: str, adapter: str | None = None, policy: str = "ibs", scheduler
     name = served_model_name or runner.engine.model_dir.name
     metrics.model_name = name
     app = create_app(runner, name, metrics, max_body_bytes, default_pooling=pooling,
-                     api_key=api_key, max_inputs_per_request=max_inputs_per_request)
+                     api_key=api_key, max_inputs_per_request=max_inputs_per_request,
+                     body_timeout=body_timeout)
     return app, runner
 
 

@@ -47,7 +47,7 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
     pending: list[tuple[str, asyncio.Queue]] = []
     try:
         for kw in kwargs:
-            pending.append(ctx.submit(GENERATE, kw))
+            pending.append(ctx.submit(GENERATE, kw, streamed=body.stream))
         created = int(time.time())
         rid = pending[0][0]
         obj = "chat.completion" if chat else "text_completion"

@@ -101,12 +101,12 @@ class ServerContext:
             raise ApiError(400, f"{param}: token ids must be in [0, {vocab})", param)
         return ids
 
-    def submit(self, kind: str, kwargs: dict) -> tuple[str, asyncio.Queue]:
+    def submit(self, kind: str, kwargs: dict, streamed: bool = False) -> tuple[str, asyncio.Queue]:
         rid = f"{'emb' if kind == EMBED else 'cmpl'}-{uuid.uuid4().hex}"
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         try:
-            self.runner.submit(kind, rid, kwargs, asyncio_sink(loop, q))
+            self.runner.submit(kind, rid, kwargs, asyncio_sink(loop, q), streamed)
         except QueueFull as exc:
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full") from None
         except Draining as exc:
