@@ -167,7 +167,7 @@ def bench(
     from rich.progress import Progress
 
     from orthrus_real.bench import bench as run_bench
-    from orthrus_real.bench import write_results
+    from orthrus_real.bench import stream_summary, write_results
     from orthrus_sim.experiment.results import print_runs
     from orthrus_sim.experiment.scenario import load_scenario
 
@@ -186,6 +186,8 @@ def bench(
         fail(f"bench against {url} failed: {exc}", 1)
     path = write_results(doc, rows, out)
     print_runs(console, doc["runs"], f"{sc.name} against {url}", fmt)
+    if fmt == "table":
+        console.print(stream_summary(doc["runs"][0]["metrics"]), highlight=False)
     console.print(f"results: {path}", highlight=False)
 
 
