@@ -31,6 +31,8 @@ from orthrus_real.engine_thread import EngineThread
 from orthrus_real.metrics import EngineMetrics
 
 log = logging.getLogger("orthrus")
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
+MAX_HEAD = 16 * 1024  # bytes of request line and headers (h11's default)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -172,7 +174,9 @@ class DrainingServer(uvicorn.Server):
 def serve(app, runner: EngineThread, host: str = "127.0.0.1", port: int = 8000,
           sock: socket.socket | None = None, log_level: str = "info",
           graceful_timeout: float = 300.0) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    # h11 wherever httptools happens to be installed too: the same parser and limits everywhere
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http="h11",
+                            timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEAD,
                             timeout_graceful_shutdown=graceful_timeout)
     server = DrainingServer(config, runner, graceful_timeout)
     server.run(sockets=[sock] if sock is not None else None)
