@@ -146,7 +146,9 @@ class EngineBase:
         return time.monotonic() - self._t0
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: tokenizers' encode holds the GIL for the whole call (a second
+        # per 0.5 MB of text, during which no other thread runs), encode_batch releases it
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _tokens(self, token_ids, text, name: str) -> list[int]:
         if (token_ids is None) == (text is None):

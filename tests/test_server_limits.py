@@ -61,6 +61,27 @@ def test_a_long_text_is_refused_before_tokenising_and_tokenising_is_off_the_loop
         engine.encode = real
 
 
+def test_tokenising_lets_other_threads_run(served):
+    """A long text's tokenisation must not hold the GIL (tokenizers' ``encode`` does, for a
+    second per 0.5 MB: the event loop stood still; ``encode_batch`` releases it)."""
+    _, runner = served
+    text = "lorem ipsum dolor sit amet " * 20_000
+    done = threading.Event()
+    turns = 0
+
+    def work():
+        runner.engine.encode(text)
+        done.set()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        turns += 1
+    worker.join()
+    assert turns > 5
+
+
 def test_a_client_that_gives_up_on_a_non_streamed_request_aborts_it(served):
     url, runner = served
     # warm: tokens then come steadily (the old check only ran after 0.25 s without a token)
