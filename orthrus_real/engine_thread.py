@@ -271,6 +271,9 @@ class EngineThread:
             self._done(rid)
             sink(error)
         rerun = [rid for rid in in_engine if rid not in lost]
+        for rid in rerun:  # starts afresh: its latencies too
+            if self.on_done is not None:
+                self.on_done(rid)
         try:
             self.engine.close()
         except Exception as close_exc:  # noqa: BLE001 - the old engine is gone either way

@@ -100,7 +100,8 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
             while len(done) < len(pending):
                 i, item = await merged.get()
                 if isinstance(item, Exception):
-                    yield _sse({"error": {"message": str(item)}})
+                    yield _sse({"error": {"message": f"engine error: {item}", "type": "server_error",
+                                          "param": None, "code": "engine_error"}})
                     done.add(i)
                     continue
                 completion += len(item.new_token_ids)
