@@ -20,13 +20,12 @@ pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from orthrus_real.serving import build, serve, wait_healthy  # noqa: E402
+from orthrus_real.serving import bind_socket, build, serve, wait_healthy  # noqa: E402
 
 
 def start_server(model_dir, **kwargs):
     app, runner = build(str(model_dir), str(model_dir / "adapter"), **kwargs)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     thread = threading.Thread(target=serve, args=(app, runner),
                               kwargs=dict(sock=sock, log_level="warning"), daemon=True)

@@ -306,3 +306,12 @@ def test_a_second_signal_exits_at_once(tiny_models, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_listening_socket_lets_asyncio_turn_nagle_off():
+    """asyncio sets TCP_NODELAY only on sockets whose proto is TCP; with proto 0 each response
+    (head and body written apart) waited ~40 ms for the client's delayed ACK."""
+    from orthrus_real.serving import bind_socket
+
+    with bind_socket("127.0.0.1", 0) as sock:
+        assert sock.proto == socket.IPPROTO_TCP
