@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
-from orthrus_sim.experiment.quantiles import summarize, summary
+from orthrus_sim.experiment.quantiles import Quantiles, summarize, summary
 from orthrus_sim.experiment.results import (
     MeasurementWindow,
     RequestLog,
@@ -143,6 +143,8 @@ class LiveDriver:
         self.log = RequestLog(scenario.warmup_s, end_hint=scenario.duration_s, seed=scenario.seed,
                               slo=scenario.slo)
         self.retrieval_s: list[float] = []
+        self.itl = Quantiles()  # seconds between two tokens of one stream (after the warm-up)
+        self.window_tokens = 0  # output tokens received after the warm-up
         self.index: np.ndarray | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -164,12 +166,19 @@ class LiveDriver:
                 (vector,) = await self.transport.embed([ids])
             else:
                 vector = None
+                last = [None]
 
                 def on_token() -> None:
+                    now = self.now()
                     if req.state is RequestState.WAITING:
                         req.transition(RequestState.RUNNING)
-                        req.first_token_at = self.now()
+                        req.first_token_at = now
                     req.num_generated += 1
+                    if now >= self.scenario.warmup_s:
+                        self.window_tokens += 1
+                        if last[0] is not None:
+                            self.itl.add(now - last[0])
+                    last[0] = now
 
                 await self.transport.generate(ids, spec.max_output_tokens, on_token)
         except Rejected as exc:
@@ -346,7 +355,10 @@ async def measure(transport, scenario: Scenario, label: str, token_range: int,
     metrics["admission_wait_s"] = measured.pop("admission_wait_s")
     metrics.update(measured)
     metrics.update({"retrieval_s": summary(driver.retrieval_s) if driver.retrieval_s else None,
-                    "sim_end_s": end, "wall_s": wall})
+                    "sim_end_s": end, "wall_s": wall,
+                    # what vLLM's benchmark client reports too: output tokens/s and ITL
+                    "output_tokens_per_s": driver.window_tokens / (end - start) if end > start else None,
+                    "itl_s": driver.itl.summary()})
     metrics["warnings"] = driver.workload.warnings + window_warnings(metrics)
     if scenario.workload.phases:
         metrics["phases"] = driver.log.phase_metrics(scenario.workload.phases)
@@ -378,6 +390,16 @@ async def bench_in_process(runner, metrics, scenario: Scenario, label: str = "me
         return generate_latest(metrics.registry).decode()
 
     return await measure(EngineTransport(runner), scenario, label, token_range, scrape)
+
+
+def stream_summary(metrics: dict) -> str:
+    """One line on generation streams: output tokens/s and inter-token latency percentiles."""
+    rate, itl = metrics.get("output_tokens_per_s"), metrics.get("itl_s") or {}
+    if not rate or not itl.get("count"):
+        return "output tokens/s: - (no streamed generation in the window)"
+    ms = {k: 1000 * itl[k] for k in ("p50", "p95", "p99")}
+    return (f"output tokens/s: {rate:.1f}; inter-token latency ms: p50 {ms['p50']:.1f}, "
+            f"p95 {ms['p95']:.1f}, p99 {ms['p99']:.1f} ({itl['count']} gaps)")
 
 
 def write_results(doc: dict, rows: list[dict], out: Path, plots: bool = True) -> Path:

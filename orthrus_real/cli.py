@@ -126,7 +126,10 @@ def serve(
     max_model_len: int = typer.Option(None, help="longest prompt + output accepted (default: the "
                                                  "model's)"),
     api_key: str = typer.Option(None, "--api-key", envvar="ORTHRUS_API_KEY",
-                                help="require 'Authorization: Bearer KEY' (401 without it)"),
+                                help="require 'Authorization: Bearer KEY' (401 without it); an "
+                                     "empty key is refused"),
+    max_inputs_per_request: int = typer.Option(256, help="prompts or embedding inputs one request "
+                                               "may hold (400 above it)"),
     log_level: str = typer.Option("info", help="critical | error | warning | info | debug"),
     tpot_target: float = typer.Option(None, "--tpot-target", help="seconds an iteration that "
                                       "carries decodes may take (predicted; needs --calibration)"),
@@ -137,7 +140,7 @@ def serve(
 
     Logs what it loaded, then 'orthrus ready: http://HOST:PORT' once it accepts requests.
     """
-    from orthrus_real.serving import build, setup_logging
+    from orthrus_real.serving import bind_socket, build, check_max_model_len, setup_logging
     from orthrus_real.serving import serve as run_server
 
     if not 1 <= port <= 65535:
@@ -148,17 +151,19 @@ def serve(
             set_ = [*set_, f"scheduler.max_model_len={max_model_len}"]
         if tpot_target is not None:
             set_ = [*set_, f"scheduler.tpot_target_s={tpot_target}"]
+        check_max_model_len(str(model), max_model_len)
+        sock = bind_socket(host, port)  # before the model loads: a taken port fails at once
         policy, sched = scheduler_settings(scenario, configuration, set_, policy, token_budget,
                                            chunk_size, max_num_seqs)
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
                              served_model_name, device, dtype, pooling, threads, backend, api_key,
-                             calibration)
+                             max_inputs_per_request, calibration=calibration)
     except (ValueError, RuntimeError) as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
-    run_server(app_, runner, host, port, log_level=log_level)
+    run_server(app_, runner, host, port, sock=sock, log_level=log_level)
 
 
 @app.command()
@@ -177,7 +182,7 @@ def bench(
     from rich.progress import Progress
 
     from orthrus_real.bench import bench as run_bench
-    from orthrus_real.bench import write_results
+    from orthrus_real.bench import stream_summary, write_results
     from orthrus_sim.experiment.results import print_runs
     from orthrus_sim.experiment.scenario import load_scenario
 
@@ -197,6 +202,8 @@ def bench(
     path = write_results(doc, rows, out)
     notes = console if fmt == "table" else make_console(stderr=True)
     print_runs(console, doc["runs"], f"{sc.name} against {url}", fmt, notes=notes)
+    if fmt == "table":
+        console.print(stream_summary(doc["runs"][0]["metrics"]), highlight=False)
     notes.print(f"results: {path}", highlight=False)
 
 

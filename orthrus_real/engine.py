@@ -21,7 +21,7 @@ from orthrus_real.engine_base import EngineBase, RequestOutput, RequestRejected,
 from orthrus_real.model import Decoder
 from orthrus_real.model_files import read_adapter, read_weights
 from orthrus_real.sampling import sample
-from orthrus_sim.engine import BatchUnit, ItemKind, RequestState, SchedulerConfig
+from orthrus_sim.engine import BatchItem, BatchUnit, ItemKind, RequestState, SchedulerConfig
 
 __all__ = ["Engine", "RequestOutput", "RequestRejected"]
 
@@ -56,12 +56,34 @@ class Engine(EngineBase):
         batch = self.policy.schedule(start)
         if not batch:
             return []
-        hidden = self.forward(batch)
-        sampled, stopped = self.emit(batch, hidden)
-        self.policy.complete(batch, self.now(), stopped)
-        outputs = self._outputs(batch, sampled)
+        parts, culprits = self._run_isolated(batch.items)
+        failed = [self._fail_request(item.request, exc) for item, exc in culprits]
+        sampled: dict[str, int] = {}
+        stopped: set[str] = set()
+        for part, hidden, tokens in parts:
+            self._commit(part, hidden, tokens, sampled, stopped)
+        self.policy.complete(batch, self.now(), stopped)  # a failed request is skipped: aborted
+        outputs = self._outputs(batch, sampled) + failed
         self._record(batch, start)
         return outputs
+
+    def _run_isolated(self, items: list[BatchItem]):
+        """Forward and sample ``items``; if that raises, split them in halves and retry each
+        (a bisection), so the items whose request makes the pass fail are found and everyone
+        else's rows are computed. Rewriting an item's KV slots gives the same values, and no
+        state is changed before a part succeeds. Returns ([(part, hidden, tokens)],
+        [(culprit item, exception)])."""
+        part = BatchUnit(self.scheduler_config.token_budget, items=list(items),
+                         total_tokens=sum(it.num_tokens for it in items))
+        try:
+            return [(part, *self._compute(part))], []
+        except Exception as exc:  # noqa: BLE001 - attributed below, logged by the caller
+            if len(items) == 1:
+                return [], [(items[0], exc)]
+        half = len(items) // 2
+        ok_a, bad_a = self._run_isolated(items[:half])
+        ok_b, bad_b = self._run_isolated(items[half:])
+        return ok_a + ok_b, bad_a + bad_b
 
     def forward(self, batch: BatchUnit) -> torch.Tensor:
         ids = []
@@ -73,11 +95,34 @@ class Engine(EngineBase):
         lora_rows = batch.token_slice(ItemKind.EMBED_CHUNK)
         return self.model.forward(input_ids, meta, self.caches, lora_rows)
 
-    def emit(self, batch: BatchUnit, hidden: torch.Tensor) -> tuple[dict[str, int], set[str]]:
-        """Pool embedding rows, sample generation rows that reached their end; returns the
-        sampled token per request and the requests that hit a stop condition."""
-        rows, items = [], []
+    def _compute(self, batch: BatchUnit) -> tuple[torch.Tensor, list[int]]:
+        """The forward pass and the sampled tokens of ``batch``'s sampling items, changing no
+        request state (a seeded generator is put back if sampling raises)."""
+        hidden = self.forward(batch)
+        rows, states = [], []
         row = 0
+        for item in batch.items:
+            if item.samples:
+                rows.append(row + item.num_tokens - 1)
+                states.append(item.request.payload)
+            row += item.num_tokens
+        if not rows:
+            return hidden, []
+        saved = [(s.generator, s.generator.get_state()) for s in states if s.generator is not None]
+        try:
+            logits = self.model.logits(hidden[rows])  # sampled on the device: one transfer
+            return hidden, sample(logits, [s.params for s in states], [s.generator for s in states])
+        except Exception:
+            for gen, state in saved:
+                gen.set_state(state)
+            raise
+
+    def _commit(self, batch: BatchUnit, hidden: torch.Tensor, tokens: list[int],
+                sampled: dict[str, int], stopped: set[str]) -> None:
+        """Fold embedding rows into their poolers and take each sampling item's token (in
+        item order), filling ``sampled`` and ``stopped``."""
+        row = 0
+        next_token = iter(tokens)
         for item in batch.items:
             state: _State = item.request.payload
             if item.kind is ItemKind.EMBED_CHUNK:
@@ -85,26 +130,18 @@ class Engine(EngineBase):
                     state.pooler.reset()  # first chunk, or recomputed after preemption
                 state.pooler.update(hidden[row:row + item.num_tokens])
             elif item.samples:
-                rows.append(row + item.num_tokens - 1)
-                items.append(item)
+                tok = next(next_token)
+                sampled[item.request.request_id] = tok
+                if self._take_token(item.request, state, tok):
+                    stopped.add(item.request.request_id)
             row += item.num_tokens
-        sampled: dict[str, int] = {}
-        stopped: set[str] = set()
-        if not rows:
-            return sampled, stopped
-        logits = self.model.logits(hidden[rows])  # sampled on the device: one transfer
-        states = [it.request.payload for it in items]
-        tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
-        for item, state, tok in zip(items, states, tokens):
-            sampled[item.request.request_id] = tok
-            if self._take_token(item.request, state, tok):
-                stopped.add(item.request.request_id)
-        return sampled, stopped
 
     def _outputs(self, batch: BatchUnit, sampled: dict[str, int]) -> list[RequestOutput]:
         out = []
         for item in batch.items:
             req = item.request
+            if req.state is RequestState.ABORTED:
+                continue  # failed in this step (its output is the error)
             done = req.state is RequestState.FINISHED
             if req.is_embedding:
                 if done:

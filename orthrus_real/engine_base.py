@@ -8,6 +8,7 @@ same way whichever runs it, and pooling and output building exist once.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from orthrus_sim.engine import (
     make_policy,
 )
 
+log = logging.getLogger("orthrus")
+
 
 class RequestRejected(ValueError):
     """The engine will never serve this request (the reason names the problem)."""
@@ -46,8 +49,9 @@ class RequestOutput:
     text: str = ""
     new_text: str = ""
     embedding: list[float] | None = None
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | error
     prompt_tokens: int = 0
+    error: str | None = None  # why this request failed (finish_reason "error")
 
 
 @dataclass
@@ -96,7 +100,7 @@ class EngineBase:
         self.iterations = 0
         self._t0 = time.monotonic()
         self.counters = {f"{k}_{s}": 0 for k in ("embedding", "generation")
-                         for s in ("completed", "rejected", "aborted")}
+                         for s in ("completed", "rejected", "aborted", "failed")}
         self.adapter_name: str | None = None
         self.adapter_rank: int | None = None
         self.dtype_reason = "the model's"
@@ -113,7 +117,7 @@ class EngineBase:
         iteration-time target is predicted by the cost model fitted to this engine
         (``calibration``, from ``orthrus-real calibrate``)."""
         self.scheduler_config = executor_config(scheduler, num_blocks, block_size,
-                                                self.cfg.max_model_len)
+                                                self._model_len(scheduler.max_model_len))
         predictor = None
         if scheduler.tpot_target_s is not None:
             if calibration is None:
@@ -123,6 +127,15 @@ class EngineBase:
             predictor = calibrated_predictor(calibration, str(self.model_dir), self.adapter_rank)
         self.calibration = calibration
         self.policy = make_policy(policy, self.scheduler_config, predictor)
+
+    def _model_len(self, wanted: int | None) -> int:
+        """The length served: ``wanted`` (a scenario's, say), at most the model's (the server
+        refuses a larger --max-model-len before loading; see ``serving.check_max_model_len``)."""
+        limit = self.cfg.max_model_len
+        if wanted is not None and wanted > limit:
+            log.warning("max_model_len %d is more than the model's %d: serving %d", wanted, limit,
+                        limit)
+        return min(wanted or limit, limit)
 
     def describe(self) -> dict:
         """What the engine loaded and how it schedules (the server logs it at start)."""
@@ -146,8 +159,10 @@ class EngineBase:
     def now(self) -> float:
         return time.monotonic() - self._t0
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # encode_batch, not encode: tokenizers' encode holds the GIL for the whole call (a second
+        # per 0.5 MB of text, during which no other thread runs), encode_batch releases it
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _tokens(self, token_ids, text, name: str) -> list[int]:
         if (token_ids is None) == (text is None):
@@ -212,6 +227,16 @@ class EngineBase:
 
     def _drop(self, request_id: str) -> Request | None:
         return self.policy.abort(request_id, self.now())
+
+    def _fail_request(self, req: Request, exc: BaseException) -> RequestOutput:
+        """End one request whose rows made a step raise (the others in the step go on): log the
+        error with its traceback, free the request and return its error output."""
+        log.error("request %s failed in iteration %d: %s: %s", req.request_id, self.iterations + 1,
+                  type(exc).__name__, exc, exc_info=exc)
+        self._drop(req.request_id)
+        self.counters[f"{req.kind.value}_failed"] += 1
+        return RequestOutput(req.request_id, req.kind.value, True, finish_reason="error",
+                             prompt_tokens=req.input_len, error=f"{type(exc).__name__}: {exc}")
 
     @property
     def has_work(self) -> bool:

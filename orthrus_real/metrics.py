@@ -7,6 +7,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from orthrus_real.engine_base import EngineBase
 
+# vLLM's histogram buckets (vllm/v1/metrics/loggers.py), so the same dashboards read both
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
 
 class EngineMetrics:
     """Histograms fed after every iteration; gauges and request counters read at scrape time
@@ -17,8 +25,9 @@ class EngineMetrics:
     engine's own model.
     """
 
-    def __init__(self, snapshot_source, busy_source=None) -> None:
+    def __init__(self, snapshot_source, busy_source=None, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.source = snapshot_source
         self.busy_source = busy_source
         self.model_flops = 0.0
@@ -37,14 +46,34 @@ class EngineMetrics:
             "orthrus_admission_wait_seconds", "Arrival to first scheduled token, by request kind",
             ["kind"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                                60, 120), registry=self.registry)
+        # what vLLM users chart, under vLLM's names and buckets; ``kind`` added (embedding |
+        # generation) where both kinds have the figure
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token: the request reached the "
+            "engine thread to its first token", ["model_name"], buckets=TTFT_BUCKETS,
+            registry=self.registry)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between two output tokens of a request",
+            ["model_name"], buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "The request reached the engine thread to its "
+            "last output, by request kind", ["model_name", "kind"],
+            buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time waiting for admission (arrival to first "
+            "scheduled token), by request kind", ["model_name", "kind"],
+            buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry)
+        self._last_token_at: dict[str, float] = {}  # generation requests: their last output
         self._tokens = {"embed_chunk": 0, "prefill_chunk": 0, "decode": 0}
         self.registry.register(self)
 
     @classmethod
-    def attach(cls, runner) -> EngineMetrics:
-        """Metrics fed by an ``EngineThread``'s steps and snapshots."""
-        metrics = cls(lambda: runner.snapshot, runner.busy_seconds)
+    def attach(cls, runner, model_name: str = "") -> EngineMetrics:
+        """Metrics fed by an ``EngineThread``'s steps, outputs and snapshots."""
+        metrics = cls(lambda: runner.snapshot, runner.busy_seconds, model_name)
         runner.on_step = metrics.on_step
+        runner.on_output = metrics.on_output
+        runner.on_done = metrics.forget
         return metrics
 
     def _flops(self, engine: EngineBase, shape) -> float:
@@ -66,6 +95,28 @@ class EngineMetrics:
         self._tokens["decode"] += s.decodes
         for kind, wait in s.admitted:
             self.admission_wait.labels(kind).observe(wait)
+            self.queue_time.labels(self.model_name, kind).observe(wait)
+
+    def forget(self, request_id: str) -> None:
+        """A request left (finished, aborted or failed)."""
+        self._last_token_at.pop(request_id, None)
+
+    def on_output(self, out, submitted: float, now: float) -> None:
+        """One output delivered (engine thread): TTFT, inter-token and end-to-end latency."""
+        rid = out.request_id
+        if out.kind == "generation" and out.new_token_ids:
+            last = self._last_token_at.get(rid)
+            if last is None:
+                self.ttft.labels(self.model_name).observe(now - submitted)
+            else:
+                gap = (now - last) / len(out.new_token_ids)
+                for _ in out.new_token_ids:
+                    self.itl.labels(self.model_name).observe(gap)
+            self._last_token_at[rid] = now
+        if out.finished:
+            self.forget(rid)
+            if out.finish_reason not in ("abort", "error"):
+                self.e2e.labels(self.model_name, out.kind).observe(now - submitted)
 
     @staticmethod
     def _policy_families(p):

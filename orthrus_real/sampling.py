@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Below this temperature a row is sampled greedily (vLLM's threshold too): dividing float32
+# logits by a vanishing temperature gives inf or nan, which torch.multinomial refuses.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -42,9 +46,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """One token per row of ``logits`` ((S, V), on any device), sampled where the logits are:
     the batch's greedy, temperature, top-k and top-p as a few tensor operations, and one
     transfer of the sampled ids to the host. A seeded row draws from its own generator (on the
-    logits' device), so its tokens do not depend on what it is batched with."""
+    logits' device), so its tokens do not depend on what it is batched with.
+
+    Safe for every value ``SamplingParams`` accepts: a temperature under ``GREEDY_BELOW`` is
+    greedy, and top-p always keeps the most likely token (a top_p too small for float32, such
+    as 1e-46, keeps just that one, its limit)."""
     out = logits.argmax(-1)
-    random = [i for i, p in enumerate(params) if p.temperature > 0]
+    random = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if not random:
         return out.tolist()
     device = logits.device
@@ -65,6 +73,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         sorted_p, idx = probs.sort(-1, descending=True)
         limit = torch.tensor(top_p, device=device)[:, None]
         keep = (sorted_p.cumsum(-1) - sorted_p < limit) | (limit >= 1.0)  # smallest prefix reaching top_p
+        keep[:, 0] = True  # the most likely token, whatever top_p rounds to in float32
         probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p * keep)
     drawn = torch.empty(len(random), dtype=torch.long, device=device)
     unseeded = [j for j, i in enumerate(random) if generators[i] is None]

@@ -15,7 +15,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("httpx")
 
-from orthrus_real.bench import LiveDriver, bench, write_results  # noqa: E402
+from orthrus_real.bench import (  # noqa: E402
+    LiveDriver,
+    bench,
+    stream_summary,  # noqa: E402
+    write_results,
+)
 from orthrus_sim.experiment.scenario import parse_scenario  # noqa: E402
 from orthrus_sim.sim.run import simulate  # noqa: E402
 from tests.helpers import slo_from_rows  # noqa: E402
@@ -67,6 +72,11 @@ def test_closed_loop_mix_writes_the_simulators_schema(live, tmp_path):
         s = measured["slo"][kind]
         assert (s["met"], s["met"] + s["missed"]) == (met, counted)
         assert s["goodput_rps"] <= measured["throughput_rps"][kind]
+    # what vLLM's client reports too: output tokens/s and inter-token latency percentiles
+    gens = measured["completed"]["generation"]
+    assert measured["output_tokens_per_s"] > 0 and measured["itl_s"]["count"] == gens * 7
+    assert 0 < measured["itl_s"]["p50"] <= measured["itl_s"]["p99"]
+    assert "output tokens/s:" in stream_summary(measured) and "p99" in stream_summary(measured)
     path = write_results(doc, rows, tmp_path)
     assert json.loads(path.read_text())["runs"][0]["configuration"] == "measured"
     assert (tmp_path / "requests_measured.csv").read_text().count("\n") == 41

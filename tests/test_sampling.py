@@ -75,3 +75,19 @@ def test_a_seeded_row_does_not_depend_on_its_batch():
     gens = [None] * 6
     gens[2] = torch.Generator().manual_seed(7)
     assert sample(logits, others, gens)[2] == alone[0]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(top_p=1e-46),  # 0 in float32
+    SamplingParams(top_p=1e-40),  # a float32 denormal
+    SamplingParams(temperature=1e-40),
+    SamplingParams(temperature=1e-6, top_k=5),
+    SamplingParams(temperature=2.0, top_p=1e-46, seed=3),
+])
+def test_every_value_validation_accepts_samples_safely(params):
+    """Vanishing temperatures are greedy (below GREEDY_BELOW) and a top_p too small for float32
+    keeps the likeliest token: the issue's values made torch.multinomial raise."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 4
+    gens = [torch.Generator().manual_seed(3) if params.seed is not None else None] * 3
+    got = sample(logits, [params] * 3, gens)
+    assert got == logits.argmax(-1).tolist()

@@ -20,13 +20,12 @@ pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from orthrus_real.serving import build, serve, wait_healthy  # noqa: E402
+from orthrus_real.serving import bind_socket, build, serve, wait_healthy  # noqa: E402
 
 
 def start_server(model_dir, **kwargs):
     app, runner = build(str(model_dir), str(model_dir / "adapter"), **kwargs)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     thread = threading.Thread(target=serve, args=(app, runner),
                               kwargs=dict(sock=sock, log_level="warning"), daemon=True)
@@ -242,7 +241,7 @@ def test_sigterm_drains_in_flight_requests(tiny_models, tmp_path):
             proc.kill()
 
 
-def test_engine_failure_ends_requests_in_flight_and_refuses_new_ones(tiny_models):
+def test_engine_that_cannot_be_rebuilt_ends_requests_and_refuses_new_ones(tiny_models):
     url, runner = start_server(tiny_models["qwen2"], max_queued=16)
     engine, real_step, steps = runner.engine, runner.engine.step, [0]
 
@@ -252,12 +251,18 @@ def test_engine_failure_ends_requests_in_flight_and_refuses_new_ones(tiny_models
             raise RuntimeError("worker process died")
         return real_step()
 
+    def no_engine():
+        raise RuntimeError("the device is gone")
+
     engine.step = failing_step
+    runner.factory = no_engine  # the rebuild after the failure fails too
     body = {"prompt": [5, 6, 7], "max_tokens": 50, "temperature": 0, "ignore_eos": True}
     r = httpx.post(url + "/v1/completions", json=body, timeout=30)
-    assert r.status_code == 500 and "engine failed: RuntimeError: worker process died" in r.text
+    assert r.status_code == 500 and "RuntimeError: worker process died" in r.text
+    assert r.json()["error"]["type"] == "server_error"
     health = httpx.get(url + "/health", timeout=5)
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_failed"
+    assert "the device is gone" in health.json()["error"]["message"]
     again = httpx.post(url + "/v1/embeddings", json={"input": "x"}, timeout=10)
     assert again.status_code == 503 and "engine failed" in again.text
     assert runner.outstanding == 0

@@ -34,7 +34,8 @@ def model_ids(served_name: str, adapter: str | None) -> dict[str, dict]:
 
 def create_app(runner: EngineThread, model_name: str, metrics=None,
                max_body_bytes: int = 1 << 20, default_pooling: str = "mean",
-               default_normalize: bool = True, api_key: str | None = None) -> FastAPI:
+               default_normalize: bool = True, api_key: str | None = None,
+               max_inputs_per_request: int = 256, body_timeout: float = 30.0) -> FastAPI:
     """The app over a started engine thread; it stops the thread when the server shuts down
     (after uvicorn has drained the requests in flight)."""
     from orthrus_sim import __version__
@@ -47,13 +48,13 @@ def create_app(runner: EngineThread, model_name: str, metrics=None,
         runner.stop()
 
     app = FastAPI(title="Orthrus", version=__version__, lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    if api_key:
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout=body_timeout)
+    if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key)
     install_handlers(app)
     app.state.context = ServerContext(
         runner, model_name, metrics, default_pooling, default_normalize, chat_template(engine),
-        model_ids(model_name, engine.adapter_name))
+        model_ids(model_name, engine.adapter_name), max_inputs_per_request)
     app.state.metrics = metrics
     for module in (admin, embeddings, completions):
         app.include_router(module.router)

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from orthrus_real.api.bodies import ChatMessage
+from orthrus_real.api.bodies import ChatMessage, check_text
 from orthrus_real.api.context import ServerContext, context
 from orthrus_real.api.errors import ApiError, error_response
 
@@ -32,17 +32,26 @@ async def version():
     return {"version": __version__}
 
 
+def _model_card(ctx: ServerContext, name: str) -> dict:
+    entry = ctx.models[name]
+    return {"id": name, "object": "model", "created": 0, "owned_by": "orthrus",
+            "root": ctx.served_name, "parent": None if name == ctx.served_name else ctx.served_name,
+            "max_model_len": ctx.max_model_len, "serves": entry["serves"],
+            "description": entry["about"]}
+
+
 @router.get("/v1/models")
 async def models(ctx: ServerContext = Depends(context)):
     """Each id with what it serves (``serves``) and what it is (``description``)."""
-    data = []
-    for name, entry in ctx.models.items():  # the base model first
-        item = {"id": name, "object": "model", "created": 0, "owned_by": "orthrus",
-                "root": ctx.served_name, "parent": None if name == ctx.served_name else ctx.served_name,
-                "max_model_len": ctx.max_model_len, "serves": entry["serves"],
-                "description": entry["about"]}
-        data.append(item)
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [_model_card(ctx, name) for name in ctx.models]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, ctx: ServerContext = Depends(context)):
+    """One id's card (the ``openai`` client's ``models.retrieve``)."""
+    if model_id not in ctx.models:
+        ctx.check_model(model_id, "")  # the 404, naming the ids there are
+    return _model_card(ctx, model_id)
 
 
 @router.get("/metrics")
@@ -60,6 +69,7 @@ class TokenizeBody(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True  # vLLM's
 
 
 class DetokenizeBody(BaseModel):
@@ -70,6 +80,8 @@ class DetokenizeBody(BaseModel):
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, ctx: ServerContext = Depends(context)):
+    check_text(body)
+    ctx.check_model(body.model, "embeddings")
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
@@ -80,7 +92,8 @@ async def tokenize(body: TokenizeBody, ctx: ServerContext = Depends(context)):
             add_generation_prompt=body.add_generation_prompt, bos_token="<s>", eos_token="</s>")
     else:
         text = body.prompt
-    ids = ctx.engine.encode(text)
+    ids = await ctx.encode(text, "messages" if body.messages is not None else "prompt",
+                           body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
 

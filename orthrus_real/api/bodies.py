@@ -4,6 +4,11 @@ Every parameter of OpenAI's API is either supported or refused by name: an unkno
 error (a typo must not be ignored), and a known one this server does not implement (``logprobs``,
 ``dimensions``, penalties, tools, ...) is refused when it is given a value that would change the
 result. Fields that only label a request (``user``, ``metadata``, ``store``) are accepted.
+
+vLLM's own clients (``vllm bench serve``, its OpenAI extensions) always send some of vLLM's extra
+parameters: their neutral values are accepted (``repetition_penalty`` 1, ``min_p`` 0, other
+values refused as unsupported), and ``truncate_prompt_tokens`` (keep the last k tokens; -1: the
+model's maximum length) and ``add_special_tokens`` are implemented as vLLM defines them.
 """
 
 from __future__ import annotations
@@ -42,6 +47,38 @@ class Unsupported(ParameterError):
         super().__init__(param, f"{param} is not supported by this server")
 
 
+def _undecodable(value, path: str) -> str | None:
+    """The path of the first string in ``value`` that is not valid Unicode (a lone surrogate,
+    which JSON's \\u escapes can carry), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            if (bad := _undecodable(v, f"{path}[{i}]")) is not None:
+                return bad
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if (bad := _undecodable(k, path) or _undecodable(v, f"{path}.{k}")) is not None:
+                return bad
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            if (bad := _undecodable(getattr(value, name), f"{path}.{name}")) is not None:
+                return bad
+    return None
+
+
+def check_text(body: BaseModel) -> None:
+    """Every string of ``body`` must be valid Unicode: a 400 naming the field otherwise."""
+    for name in type(body).model_fields:
+        bad = _undecodable(getattr(body, name), name)
+        if bad is not None:
+            raise ParameterError(name, f"{bad} is not valid Unicode text (it holds a lone "
+                                       "surrogate, such as \\udfff)")
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: StrictStr | None = None
@@ -53,13 +90,39 @@ class _Body(BaseModel):
     NEUTRAL: ClassVar[dict[str, tuple]] = {}
 
     def check_supported(self) -> None:
+        check_text(self)
         for name, neutral in self.NEUTRAL.items():
             value = getattr(self, name)
             if value is not None and value not in neutral:
                 raise Unsupported(name)
 
 
-class EmbeddingBody(_Body):
+class _Truncating(_Body):
+    """vLLM's ``truncate_prompt_tokens`` and ``add_special_tokens`` (its clients send them)."""
+
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
+    add_special_tokens: StrictBool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.truncate_prompt_tokens == 0:
+            raise ParameterError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the "
+                                 "model's maximum length) or a number of tokens >= 1")
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The last ``truncate_prompt_tokens`` tokens of ``ids`` (vLLM's meaning)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = max_model_len
+        if k > max_model_len:
+            raise ParameterError("truncate_prompt_tokens", f"truncate_prompt_tokens ({k}) is more "
+                                 f"than the model's maximum length {max_model_len}")
+        return ids[-k:]
+
+
+class EmbeddingBody(_Truncating):
     input: StrictStr | list[StrictStr] | TokenList | list[TokenList]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
@@ -93,12 +156,12 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Sampling(_Body):
+class _Sampling(_Truncating):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: StrictInt = Field(default=0, ge=0)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)  # what torch takes
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -108,10 +171,13 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's; its clients send 1.0
+    min_p: float | None = None  # vLLM's
 
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         "n": (1,), "logprobs": (False, None), "logit_bias": ({},),
-        "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0)}
+        "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+        "repetition_penalty": (1, 1.0), "min_p": (0, 0.0)}
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -35,8 +35,8 @@ def _params(ctx: ServerContext, body, prompt_ids: list[int], param: str, chat: b
                             f"model's maximum length {limit}", param, code="context_length_exceeded")
     try:
         params = SamplingParams(**{**body.sampling_kwargs(), "max_tokens": wanted})
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
+    except ValueError as exc:  # the message starts with the parameter's name
+        raise ApiError(400, str(exc), str(exc).split()[0]) from None
     return dict(token_ids=prompt_ids, params=params)
 
 
@@ -47,13 +47,13 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
     pending: list[tuple[str, asyncio.Queue]] = []
     try:
         for kw in kwargs:
-            pending.append(ctx.submit(GENERATE, kw))
+            pending.append(ctx.submit(GENERATE, kw, streamed=body.stream))
         created = int(time.time())
         rid = pending[0][0]
         obj = "chat.completion" if chat else "text_completion"
         prompt_tokens = sum(len(ids) for ids in prompts)
         if not body.stream:
-            outs = [await ctx.final(r, q, request, param) for r, q in pending]
+            outs = await ctx.finals(pending, request, param)
             choices = []
             for i, out in enumerate(outs):
                 choice = {"index": i, "finish_reason": out.finish_reason, "logprobs": None}
@@ -100,7 +100,8 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
             while len(done) < len(pending):
                 i, item = await merged.get()
                 if isinstance(item, Exception):
-                    yield _sse({"error": {"message": str(item)}})
+                    yield _sse({"error": {"message": f"engine error: {item}", "type": "server_error",
+                                          "param": None, "code": "engine_error"}})
                     done.add(i)
                     continue
                 completion += len(item.new_token_ids)
@@ -133,7 +134,9 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
 async def completions(body: CompletionBody, request: Request, ctx: ServerContext = Depends(context)):
     body.check_supported()
     ctx.check_model(body.model, "completions")
-    prompts = [ctx.tokens_of(item, "prompt") for item in body.prompts()]
+    items = body.prompts()
+    ctx.check_count(len(items), "prompt")
+    prompts = [await ctx.tokens_of(item, "prompt", body) for item in items]
     return await _generate(ctx, body, prompts, request, chat=False)
 
 
@@ -147,4 +150,5 @@ async def chat_completions(body: ChatBody, request: Request, ctx: ServerContext 
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     text = ctx.chat_template.render(messages=messages, add_generation_prompt=True,
                                     bos_token="<s>", eos_token="</s>")
-    return await _generate(ctx, body, [ctx.tokens_of({"text": text}, "messages")], request, chat=True)
+    return await _generate(ctx, body, [await ctx.tokens_of({"text": text}, "messages", body)], request,
+                           chat=True)

@@ -1,12 +1,20 @@
 """What every route shares: the engine thread, the model ids it answers to, and the steps of one
-request (check the model, tokenise, submit, wait). Routes get it as a FastAPI dependency."""
+request (check the model, tokenise, submit, wait). Routes get it as a FastAPI dependency.
+
+Text is tokenised in one worker thread, never on the event loop (a long text takes a second or
+more to tokenise; ``/health`` must not wait for it), and a text longer than the model's maximum
+length could ever tokenise to (``max_model_len`` times the longest token's length in characters)
+is refused before it is tokenised.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from fastapi import Request
 
@@ -26,6 +34,14 @@ class ServerContext:
     default_normalize: bool = True
     chat_template: object | None = None
     models: dict[str, dict] = field(default_factory=dict)  # id -> {"serves": [...], "about": ...}
+    max_inputs: int = 256  # prompts or embedding inputs in one request
+
+    def __post_init__(self) -> None:
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="orthrus-tokenize")
+        vocab = self.engine.tokenizer.get_vocab(with_added_tokens=True)
+        # a token covers at most this many characters of text (byte-level vocabularies spell a
+        # byte as one character, and a text character is at least one byte)
+        self.longest_token = max((len(t) for t in vocab), default=1)
 
     @property
     def engine(self):
@@ -48,8 +64,36 @@ class ServerContext:
                                 f"{serves}; use {self.served_name!r}", "model",
                            code="wrong_model_kind")
 
-    def tokens_of(self, item: dict, param: str) -> list[int]:
-        ids = self.engine.encode(item["text"]) if "text" in item else item["token_ids"]
+    def check_count(self, n: int, param: str) -> None:
+        if n > self.max_inputs:
+            raise ApiError(400, f"{param} holds {n} items, more than this server's limit of "
+                                f"{self.max_inputs} per request (--max-inputs-per-request)", param,
+                           code="too_many_inputs")
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True,
+                     truncating: bool = False) -> list[int]:
+        """Tokenise off the event loop; without truncation, refuse a text that cannot fit."""
+        limit = self.max_model_len * self.longest_token
+        if not truncating and len(text) > limit:
+            raise ApiError(400, f"{param} has {len(text)} characters, more than the model's maximum "
+                                f"length of {self.max_model_len} tokens can hold ({limit} characters "
+                                f"at {self.longest_token} a token)", param,
+                           code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizing, partial(self.engine.encode, text, add_special_tokens))
+
+    async def tokens_of(self, item: dict, param: str, body=None) -> list[int]:
+        """The token ids of one prompt or input (``body``: its truncation and special-token
+        options, vLLM's)."""
+        truncating = body is not None and body.truncate_prompt_tokens is not None
+        special = body is None or body.add_special_tokens is not False
+        if "text" in item:
+            ids = await self.encode(item["text"], param, special, truncating)
+        else:
+            ids = item["token_ids"]
+        if truncating:
+            ids = body.truncate(ids, self.max_model_len)
         if not ids:
             raise ApiError(400, f"{param} must not be empty", param)
         vocab = self.engine.cfg.vocab_size
@@ -57,12 +101,12 @@ class ServerContext:
             raise ApiError(400, f"{param}: token ids must be in [0, {vocab})", param)
         return ids
 
-    def submit(self, kind: str, kwargs: dict) -> tuple[str, asyncio.Queue]:
+    def submit(self, kind: str, kwargs: dict, streamed: bool = False) -> tuple[str, asyncio.Queue]:
         rid = f"{'emb' if kind == EMBED else 'cmpl'}-{uuid.uuid4().hex}"
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         try:
-            self.runner.submit(kind, rid, kwargs, asyncio_sink(loop, q))
+            self.runner.submit(kind, rid, kwargs, asyncio_sink(loop, q), streamed)
         except QueueFull as exc:
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full") from None
         except Draining as exc:
@@ -74,21 +118,34 @@ class ServerContext:
         if isinstance(item, RequestRejected | ValueError):
             raise ApiError(400, str(item), param)
         if isinstance(item, Exception):
-            raise ApiError(500, f"engine error: {item}", kind="server_error")
+            raise ApiError(500, f"engine error: {item}", kind="server_error", code="engine_error")
 
-    async def final(self, rid: str, q: asyncio.Queue, request: Request, param: str) -> RequestOutput:
-        """Wait for a request's last output; a client that went away aborts it."""
-        while True:
-            try:
-                item = await asyncio.wait_for(q.get(), 0.25)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    self.runner.abort(rid)
-                    raise ApiError(499, "client disconnected") from None
-                continue
-            self.raise_for(item, param)
-            if item.finished:
-                return item
+    async def finals(self, pending: list[tuple[str, asyncio.Queue]], request: Request,
+                     param: str) -> list[RequestOutput]:
+        """Wait for the last output of each request; the moment the client goes away (its
+        connection's ``http.disconnect``), abort them all (the caller aborts on ApiError)."""
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(disconnected())
+        outs = []
+        try:
+            for _, q in pending:
+                while True:
+                    getter = asyncio.ensure_future(q.get())
+                    await asyncio.wait((getter, watcher), return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        raise ApiError(499, "client disconnected")
+                    item = getter.result()
+                    self.raise_for(item, param)
+                    if item.finished:
+                        outs.append(item)
+                        break
+        finally:
+            watcher.cancel()
+        return outs
 
     def abort_all(self, rids) -> None:
         for rid in rids:

@@ -26,7 +26,9 @@ async def embeddings(body: EmbeddingBody, request: Request, ctx: ServerContext =
     ctx.check_model(body.model, "embeddings")
     pooling = body.pooling or ctx.default_pooling
     normalize = ctx.default_normalize if body.normalize is None else body.normalize
-    inputs = [ctx.tokens_of(item, "input") for item in body.items()]
+    items = body.items()
+    ctx.check_count(len(items), "input")
+    inputs = [await ctx.tokens_of(item, "input", body) for item in items]
     limit = ctx.max_model_len
     for ids in inputs:
         if len(ids) > limit:
@@ -36,7 +38,7 @@ async def embeddings(body: EmbeddingBody, request: Request, ctx: ServerContext =
     try:
         for ids in inputs:
             pending.append(ctx.submit(EMBED, dict(token_ids=ids, pooling=pooling, normalize=normalize)))
-        outs = [await ctx.final(rid, q, request, "input") for rid, q in pending]
+        outs = await ctx.finals(pending, request, "input")
     except ApiError:
         ctx.abort_all(rid for rid, _ in pending)
         raise

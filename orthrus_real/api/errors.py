@@ -1,6 +1,13 @@
-"""Errors in OpenAI's shape, the handlers that produce them, and the body-size guard."""
+"""Errors in OpenAI's shape, the handlers that produce them, the body-size guard and the API-key
+check."""
 
 from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -8,6 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orthrus_real.api.bodies import ParameterError
+
+log = logging.getLogger("orthrus")
 
 
 class ApiError(Exception):
@@ -17,9 +26,17 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
 
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a lone surrogate echoed back (a field's name, say) cannot
+    break the response (Starlette's UTF-8 encoding of it raises)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={
+    return AsciiJSONResponse(status_code=status, content={
         "error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
@@ -61,12 +78,20 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail),
                               code="not_found" if exc.status_code == 404 else None)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):  # a bug: still JSON, and logged in full
+        log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc,
+                  exc_info=exc)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
+                              kind="server_error", code="internal_error")
+
 
 class BodyLimit:
-    """ASGI middleware: refuse bodies over ``max_bytes`` with 413 before the app parses them."""
+    """ASGI middleware: refuse bodies over ``max_bytes`` with 413 before the app parses them,
+    and a body not received within ``timeout`` seconds (a slow or stalled client) with 408."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout: float = 30.0) -> None:
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -74,8 +99,15 @@ class BodyLimit:
         declared = dict(scope.get("headers", [])).get(b"content-length")
         too_big = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
         chunks, size, more = [], 0, True
+        deadline = asyncio.get_running_loop().time() + self.timeout
         while more and not too_big:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                resp = error_response(408, f"the request body did not arrive within "
+                                           f"{self.timeout:g} s", code="request_timeout")
+                return await resp(scope, receive, send)
             if message["type"] != "http.request":
                 chunks.append(message)
                 break
@@ -101,18 +133,29 @@ class BodyLimit:
 
 class BearerAuth:
     """ASGI middleware: with an API key set, every route but ``/health``, ``/metrics`` and
-    ``/version`` needs ``Authorization: Bearer <key>`` (401 otherwise), as vLLM's server does."""
+    ``/version`` needs ``Authorization: Bearer <key>`` (401 otherwise), as vLLM's server does.
+    The key is compared as SHA-256 digests with ``hmac.compare_digest`` (constant time); a
+    request with more than one ``Authorization`` header is refused (proxies disagree on which
+    one counts)."""
 
     OPEN = ("/health", "/metrics", "/version")
 
     def __init__(self, app, api_key: str) -> None:
-        self.app, self.api_key = app, api_key
+        if not api_key:
+            raise ValueError("the API key is empty")
+        self.app = app
+        self.digest = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
+
+    def _authorized(self, headers) -> bool:
+        values = [v for k, v in headers if k.lower() == b"authorization"]
+        if len(values) != 1:
+            return False
+        return hmac.compare_digest(hashlib.sha256(values[0]).digest(), self.digest)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.OPEN:
             return await self.app(scope, receive, send)
-        header = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
-        if header != f"Bearer {self.api_key}":
+        if not self._authorized(scope.get("headers", [])):
             resp = error_response(401, "missing or wrong API key: send 'Authorization: Bearer "
                                        "<key>'", kind="authentication_error", code="invalid_api_key")
             return await resp(scope, receive, send)

@@ -71,7 +71,7 @@ class VllmEngine(EngineBase):
         self.calibration = calibration
         self.vllm_config = _vllm_config(
             model_dir=self.model_dir, dtype=str(cfg.dtype).removeprefix("torch."),
-            max_model_len=min(base.max_model_len or cfg.max_model_len, cfg.max_model_len),
+            max_model_len=self._model_len(base.max_model_len),
             token_budget=base.token_budget, block_size=(block := _platform_block_size()),
             num_blocks=max(2, kv_cache_tokens // block + 1),
             orthrus=orthrus,
