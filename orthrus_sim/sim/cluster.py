@@ -8,9 +8,10 @@ from collections.abc import Callable
 import simpy
 
 from orthrus_sim.costmodel import get_hardware, get_model
+from orthrus_sim.costmodel.factors import apply_factors
 from orthrus_sim.engine.registry import make_policy
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
-from orthrus_sim.experiment.plan import coefficients, plan_configuration
+from orthrus_sim.experiment.plan import coefficients, cost_factors, plan_configuration
 from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.replica import Replica
 
@@ -34,15 +35,16 @@ class Cluster:
         self.plans = plan_configuration(scenario, name)
         self.hardware = get_hardware(scenario.hardware)
         coeffs = coefficients(scenario)
+        factors = cost_factors(scenario)
 
         def cost(plan):
             if cost_factory is not None:  # tests replace the roofline
                 return cost_factory(plan.model, plan.lora)
-            return plan.cost_model(self.hardware, coeffs)
+            return apply_factors(plan.cost_model(self.hardware, coeffs), factors)
 
         self.replicas = [
             Replica(env, i, plan.role, make_policy(plan.policy, plan.config), cost(plan),
-                    self._on_leave, fast_forward)
+                    self._on_leave, fast_forward, factors)
             for i, plan in enumerate(self.plans)
         ]
         self._eligible = {

@@ -18,7 +18,7 @@ import simpy
 
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine.policy import Policy
-from orthrus_sim.engine.request import Request
+from orthrus_sim.engine.request import Request, RequestKind
 
 
 @dataclass
@@ -65,7 +65,8 @@ def _fire(event: simpy.Event) -> Callable[[simpy.Event], None]:
 
 class Replica:
     def __init__(self, env: simpy.Environment, index: int, role: str, policy: Policy, cost,
-                 on_leave: Callable[[Request, Replica], None], fast_forward: bool = True) -> None:
+                 on_leave: Callable[[Request, Replica], None], fast_forward: bool = True,
+                 factors=None) -> None:
         self.env = env
         self.index = index
         self.role = role
@@ -82,9 +83,26 @@ class Replica:
         self._in_flight: tuple[float, float, BatchShape, int] | None = None
         self.outstanding_work = 0  # tokens routed here and not finished (least-work router)
         self._work: dict[str, int] = {}
+        # seconds a request spends in the server before the scheduler sees it, one at a time
+        # (``CostFactors``' per-request overheads: they occupy the server, not the device)
+        self._overhead = {k.value: factors.overhead_s(k.value) for k in RequestKind} \
+            if factors is not None and role != "decode" else {}
+        self._front = simpy.Resource(env, 1) if any(self._overhead.values()) else None
         self.process = env.process(self.run())
 
     def submit(self, request: Request) -> None:
+        if self._front is not None and self._overhead[request.kind.value] > 0:
+            self.env.process(self._through_front(request))
+            return
+        self._admit(request)
+
+    def _through_front(self, request: Request):
+        with self._front.request() as slot:
+            yield slot
+            yield self.env.timeout(self._overhead[request.kind.value])
+        self._admit(request)
+
+    def _admit(self, request: Request) -> None:
         now = self.env.now
         if not self.policy.add(request, now):
             self.on_leave(request, self)
