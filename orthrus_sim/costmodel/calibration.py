@@ -97,6 +97,8 @@ class FactorParameterModel(BaseModel):
     status: Literal["fitted", "undetermined", "fixed"]
     sensitivity: float = Field(description="largest relative change of a measured metric when "
                                "the parameter moves across its bounds (the rest at the fit)")
+    standard_error: float | None = Field(default=None, description="fitted ones: from the "
+                                         "Jacobian and the residuals' scatter")
 
 
 class ResidualModel(BaseModel):
