@@ -394,6 +394,31 @@ async def bench_in_process(runner, metrics, scenario: Scenario, label: str = "me
     return await measure(EngineTransport(runner), scenario, label, token_range, scrape)
 
 
+SPREAD_METRICS = ("throughput_rps.embedding", "throughput_rps.generation", "latency_s.embedding.p50",
+                  "latency_s.generation.p50", "latency_s.ttft.p50", "latency_s.tpot.p50")
+
+
+def repeats_doc(docs: list[tuple[dict, list[dict]]]) -> tuple[dict, list[dict]]:
+    """Repeated runs as one document: every run (the same configuration), and ``repeats``:
+    per metric the values, their mean and coefficient of variation (run-to-run spread)."""
+    doc, rows = docs[0]
+    if len(docs) == 1:
+        return doc, rows
+    from orthrus_sim.experiment.results import _get
+
+    doc = {**doc, "runs": [d["runs"][0] for d, _ in docs]}
+    spread = {}
+    for path in SPREAD_METRICS:
+        values = [_get(r["metrics"], path) for r in doc["runs"]]
+        values = [v for v in values if v]
+        if len(values) >= 2:
+            mean = float(np.mean(values))
+            spread[path] = {"values": values, "mean": mean,
+                            "cv": float(np.std(values, ddof=1) / mean) if mean else None}
+    doc["repeats"] = spread
+    return doc, [row for _, r in docs for row in r]
+
+
 def write_results(doc: dict, rows: list[dict], out: Path, plots: bool = True) -> Path:
     """``results.json``, the per-request CSV and the plots, as ``orthrus-sim run`` writes them."""
     out.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,8 @@ def run_in_process(sc: Scenario, configuration: str, model_dir: str, adapter_dir
 
 
 def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str | None,
-             kv_cache_tokens: int, threads: int, out: Path, backend: str = "torch") -> dict:
+             kv_cache_tokens: int, threads: int, out: Path, backend: str = "torch",
+             engine_cpus: str | None = None) -> dict:
     """Start a server process for the scenario's configuration, bench it, stop it."""
     port = _free_port()
     scenario_file = out / "scenario.yaml"
@@ -89,6 +90,8 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
            "--threads", str(threads), "--backend", backend]
     if adapter_dir:
         cmd += ["--embedding-adapter", adapter_dir]
+    if engine_cpus:
+        cmd += ["--cpus", engine_cpus]
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -129,15 +132,20 @@ def compare(simulated: list[dict], measured: list[dict]) -> list[dict]:
 
 def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter_dir: str | None,
              calibration: str, out: Path, kv_cache_tokens: int = 32768, threads: int = 2,
-             progress=None, via_server: bool = False, backend: str = "torch") -> dict:
+             progress=None, via_server: bool = False, backend: str = "torch",
+             engine_cpus: str | None = None) -> dict:
     """``via_server``: measure through a server process and HTTP (adds the HTTP stack's CPU
     time, which the simulator does not model) instead of the engine in this process."""
+    from orthrus_real.device import environment_check
     from orthrus_real.model_files import adapter_rank
     from orthrus_sim.sim.run import simulate  # the simulator, only when validating
 
     base = load_scenario(scenario, overrides)
     rank = adapter_rank(adapter_dir) if adapter_dir else None
     sc = real_scenario(base, model_dir, rank, calibration, kv_cache_tokens)
+    warning = environment_check(calibration, model_dir)
+    if warning and progress:
+        progress(f"warning: {warning}")
     out.mkdir(parents=True, exist_ok=True)
     simulated, measured = [], []
     for cfg in sc.configurations:
@@ -148,7 +156,7 @@ def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter
             progress(f"measuring {cfg} ({sc.duration_s or '?'} s)")
         if via_server:
             measured.append(run_real(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads, out,
-                                     backend))
+                                     backend, engine_cpus))
         else:
             measured.append(run_in_process(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads,
                                            backend))
@@ -157,4 +165,4 @@ def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter
         write_json(results_doc(data, runs), out / name / "results.json")
     rows = compare(simulated, measured)
     (out / "comparison.json").write_text(json.dumps(rows, indent=2) + "\n")
-    return {"scenario": sc, "rows": rows}
+    return {"scenario": sc, "rows": rows, "warnings": [warning] if warning else []}

@@ -46,11 +46,20 @@ def run(
 
     try:
         sc = load_scenario(scenario, set_)
+        _calibration_warning(sc)
         run_scenario(sc, out, workers or None, console, fmt=_format(fmt))
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
+
+
+def _calibration_warning(sc) -> None:
+    from orthrus_sim.machine import scenario_warning
+
+    warning = scenario_warning(sc)
+    if warning:
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
 
 
 @app.command()
