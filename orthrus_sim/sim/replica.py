@@ -84,14 +84,16 @@ class Replica:
         self.outstanding_work = 0  # tokens routed here and not finished (least-work router)
         self._work: dict[str, int] = {}
         # seconds a request spends in the server before the scheduler sees it, one at a time
-        # (``CostFactors``' per-request overheads: they occupy the server, not the device)
+        # (``CostFactors``' per-request overheads: they occupy the server, not the device).
+        # With factors, every request passes the front end, even at 0 s: a fit moves the
+        # overheads from 0 without the simulation changing its path there
         self._overhead = {k.value: factors.overhead_s(k.value) for k in RequestKind} \
             if factors is not None and role != "decode" else {}
-        self._front = simpy.Resource(env, 1) if any(self._overhead.values()) else None
+        self._front = simpy.Resource(env, 1) if self._overhead else None
         self.process = env.process(self.run())
 
     def submit(self, request: Request) -> None:
-        if self._front is not None and self._overhead[request.kind.value] > 0:
+        if self._front is not None:
             self.env.process(self._through_front(request))
             return
         self._admit(request)
