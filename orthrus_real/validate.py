@@ -92,15 +92,23 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
         cmd += ["--embedding-adapter", adapter_dir]
     if engine_cpus:
         cmd += ["--cpus", engine_cpus]
+    return serve_and_bench(cmd, port, sc, configuration, log)
+
+
+def serve_and_bench(cmd: list[str], port: int, sc: Scenario, label: str, log: Path,
+                    start_timeout: float = 120.0, env: dict | None = None) -> dict:
+    """Start the server ``cmd`` (listening on ``port``; ``env``: its environment), bench it
+    with the scenario's workload once it is healthy, stop it (SIGTERM); returns the measured
+    run, labelled ``label``."""
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             try:
-                wait_healthy(url, 120.0, proc)
+                wait_healthy(url, start_timeout, proc)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; see {log}") from None
-            doc, _ = asyncio.run(bench(url, sc, label=configuration))
+            doc, _ = asyncio.run(bench(url, sc, label=label))
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -117,6 +125,25 @@ def lookup(metrics: dict, path: str):
             return None
         node = node[key]
     return node
+
+
+# fidelity as other simulators report it: MAPE per metric family over every compared cell
+MAPE_FAMILIES = {
+    "throughput": [f"throughput_rps.{k}" for k in ("embedding", "generation")],
+    "TTFT": [f"latency_s.ttft.{q}" for q in ("p50", "p99")],
+    "TPOT": [f"latency_s.tpot.{q}" for q in ("p50", "p99")],
+    "E2E": [f"latency_s.{k}.{q}" for k in ("embedding", "generation") for q in ("p50", "p99")],
+}
+
+
+def mape_summary(rows: list[dict]) -> dict[str, dict]:
+    """``{family: {mape, cells}}`` over ``compare`` rows (cells with both sides measured)."""
+    out = {}
+    for family, metrics in MAPE_FAMILIES.items():
+        errs = [abs(r["relative_error"]) for r in rows
+                if r["metric"] in metrics and r["relative_error"] is not None]
+        out[family] = {"mape": sum(errs) / len(errs) if errs else None, "cells": len(errs)}
+    return out
 
 
 def compare(simulated: list[dict], measured: list[dict]) -> list[dict]:

@@ -134,6 +134,8 @@ def fit(
                                                 "accepts it as a scenario's calibration)"),
     set_: list[str] = typer.Option([], "--set", help="override a scenario field: section.key=value"),
     fix: list[str] = typer.Option([], "--fix", help="hold a parameter at a value: NAME=VALUE"),
+    metrics: list[str] = typer.Option([], "--metrics", help="fit only these metrics (shell "
+                                      "patterns such as 'latency_s.*.p50'; repeat); default all"),
     workers: int = typer.Option(0, help="parallel simulations (0: one per CPU)"),
     fmt: str = typer.Option("table", "--format", help="table | json"),
 ) -> None:
@@ -160,7 +162,7 @@ def fit(
             if not sep:
                 fail(f"--fix {item!r}: expected NAME=VALUE")
         sc = load_scenario(scenario, set_)
-        runs = load_measured(measured)
+        runs = load_measured(measured, metrics)
         with console.status("fitting ...") as status:
             result = run_fit(sc, runs, workers or os.cpu_count() or 1, fixed,
                              progress=lambda msg: status.update(f"fitting: {msg}"))

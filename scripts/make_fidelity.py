@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from orthrus_real.validate import validate
+from orthrus_real.validate import mape_summary, validate
 from orthrus_sim.experiment.scenario import read_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,12 @@ def main() -> None:
                     met += 1
                 cells.append(text)
             lines.append(f"| {mix} | {cfg} | " + " | ".join(cells) + " |")
+    mape = mape_summary([r for rows in results.values() for r in rows])
     lines += ["", f"{met} of {met + missed} cells meet their target.", "",
+              "MAPE over all cells (the format other simulators report fidelity in; latencies "
+              "p50 and p99, E2E = each kind's request latency): " + ", ".join(
+                  f"{k} {v['mape']:.1%} ({v['cells']} cells)" for k, v in mape.items()
+                  if v["mape"] is not None) + ".", "",
               "Raw results: `out/fidelity/<mix>/{simulated,measured}/results.json` and "
               "`comparison.json` (every metric of the schema, not only these).", ""]
     notes = ROOT / "docs" / "fidelity_notes.md"

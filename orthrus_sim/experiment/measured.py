@@ -10,6 +10,7 @@ kind's server reports the other kind as 0).
 from __future__ import annotations
 
 import copy
+import fnmatch
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,8 +87,9 @@ def run_metrics(metrics: dict, where: str) -> dict[str, float]:
     return out
 
 
-def load_measured(paths: list[str | Path]) -> list[MeasuredRun]:
-    """Every run of every file, with its fitted metrics; a file without any is an error."""
+def load_measured(paths: list[str | Path], patterns: list[str] | None = None) -> list[MeasuredRun]:
+    """Every run of every file, with its fitted metrics (those matching one of ``patterns``,
+    shell-style: ``latency_s.*.p50``; all by default); a run without any is an error."""
     if not paths:
         raise ValueError("--measured: give at least one results file")
     runs: list[MeasuredRun] = []
@@ -108,9 +110,13 @@ def load_measured(paths: list[str | Path]) -> list[MeasuredRun]:
                 raise ValueError(f"{where}: needs 'configuration' (the configuration's name, "
                                  "e.g. dedicated-1:3 or orthrus) and 'metrics'")
             metrics = run_metrics(run.get("metrics"), where)
+            if patterns:
+                metrics = {k: v for k, v in metrics.items()
+                           if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
             if not metrics:
                 raise ValueError(f"{where}: no fitted metric is present (any of "
-                                 "throughput_rps.<kind>, latency_s.<kind>.<p50|p95|p99|mean>)")
+                                 "throughput_rps.<kind>, latency_s.<kind>.<p50|p95|p99|mean>"
+                                 + (f", matching {', '.join(patterns)}" if patterns else "") + ")")
             runs.append(MeasuredRun(run["configuration"], metrics, str(path)))
     return runs
 
