@@ -123,9 +123,9 @@ def parse_cpus(text: str | None, option: str = "--cpus") -> set[int] | None:
             cpus.update(range(int(lo), int(hi or lo) + 1))
     except ValueError:
         raise ValueError(f"{option} {text!r}: expected CPU numbers such as 0 or 0,1 or 0-3") from None
-    allowed = os.sched_getaffinity(0)
+    allowed = set(range(os.cpu_count() or 1))  # a parent's own pinning does not bind its children
     if not cpus or not cpus <= allowed:
-        raise ValueError(f"{option} {text!r}: this process may use CPUs {sorted(allowed)}")
+        raise ValueError(f"{option} {text!r}: this machine has CPUs {sorted(allowed)}")
     return cpus
 
 
@@ -135,4 +135,7 @@ def pin_process(cpus: set[int] | None) -> None:
     if cpus:
         import os
 
-        os.sched_setaffinity(0, cpus)
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            raise ValueError(f"cannot run on CPUs {sorted(cpus)}: {exc}") from None

@@ -40,6 +40,19 @@ def cell(rows, cfg, metric):
     return f"{row['relative_error']:+.1%}", abs(row["relative_error"])
 
 
+def fit_sections(text: str) -> list[str]:
+    """The "fit on baselines, predict the treatment" sections scripts/fit_validation.py wrote
+    into docs/fidelity.md: kept when this script rewrites the rest."""
+    from fit_validation import END, START  # beside this script
+
+    out = []
+    start = 0
+    while (i := text.find(START, start)) >= 0 and (j := text.find(END, i)) >= 0:
+        out.append(text[i:j + len(END)] + "\n")
+        start = j
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--duration", type=float, default=60.0)
@@ -115,7 +128,9 @@ def main() -> None:
     notes = ROOT / "docs" / "fidelity_notes.md"
     if notes.exists():
         lines += [notes.read_text()]
-    (ROOT / "docs" / "fidelity.md").write_text("\n".join(lines))
+    doc = ROOT / "docs" / "fidelity.md"
+    lines += fit_sections(doc.read_text() if doc.exists() else "")
+    doc.write_text("\n".join(lines))
     console.print(f"wrote {ROOT / 'docs' / 'fidelity.md'}")
 
 
