@@ -70,11 +70,11 @@ class Parameter:
 
 
 PARAMETERS = (
-    Parameter("embedding_scale", 0.1, 10.0, True, 1.0, 0.05,
+    Parameter("embedding_scale", 0.05, 20.0, True, 1.0, 0.05,
               "x the device time of embedding (pooling-path) chunks"),
-    Parameter("prefill_scale", 0.1, 10.0, True, 1.0, 0.05,
+    Parameter("prefill_scale", 0.05, 20.0, True, 1.0, 0.05,
               "x the device time of generation prefill chunks"),
-    Parameter("decode_scale", 0.1, 10.0, True, 1.0, 0.05, "x the device time of decodes"),
+    Parameter("decode_scale", 0.05, 20.0, True, 1.0, 0.05, "x the device time of decodes"),
     Parameter("overlap", 0.0, 2.0, False, 1.0, 0.2,
               "share of the roofline's co-batching saving a mixed iteration realises "
               "(0: parts add up, 1: the calibration's roofline)"),
@@ -202,16 +202,21 @@ def determined(jac: np.ndarray, names: list[str], limit: int) -> tuple[list[str]
     return [n for n in names if n in kept], effect
 
 
-def standard_errors(jac: np.ndarray, residuals: np.ndarray) -> np.ndarray:
-    """Each fitted parameter's standard error (in z) from the Jacobian at the fit: the
-    residuals' scatter (at least ``NOISE``) through ``(J^T J)^-1``; inf where singular."""
+def standard_errors(jac: np.ndarray, residuals: np.ndarray | None = None) -> np.ndarray:
+    """Each parameter's standard error (in z) from the Jacobian: the residuals' scatter (at
+    least ``NOISE``; only ``NOISE`` without residuals) over the part of its column the others
+    do not explain, i.e. sqrt of diag((J^T J)^-1) times the scatter; inf where that part is 0.
+
+    Without residuals it says whether the measurements *can* pin a parameter (a 1 % error in
+    every metric moves it by this much), whatever the fit's misfit."""
     m, k = jac.shape
     if k == 0:
         return np.zeros(0)
-    dof = max(m - k, 1)
-    sigma = math.sqrt(max(float(residuals @ residuals) / dof, NOISE ** 2))
+    sigma = NOISE
+    if residuals is not None:
+        sigma = math.sqrt(max(float(residuals @ residuals) / max(m - k, 1), NOISE ** 2))
     out = np.empty(k)
-    for i in range(k):  # sqrt of diag((J^T J)^-1): 1 / |column i beyond the others|
+    for i in range(k):
         col, others = jac[:, i], np.delete(jac, i, axis=1)
         if others.shape[1]:
             coef = np.linalg.lstsq(others, col, rcond=None)[0]
@@ -261,13 +266,14 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
             names = list(fitted)
             res = _least_squares(ev, base, names)
             current = _factors(base, names, res.x)
-            se = standard_errors(_jacobian(ev, current, names, res.x), res.fun)
-            errors = {n: float(e) for n, e in zip(names, se)}
-            worst = max(names, key=lambda n: errors[n] / BY_NAME[n].tolerance)
-            if errors[worst] <= BY_NAME[worst].tolerance:
+            jac = _jacobian(ev, current, names, res.x)
+            pinning = {n: float(e) for n, e in zip(names, standard_errors(jac))}
+            errors = {n: float(e) for n, e in zip(names, standard_errors(jac, res.fun))}
+            worst = max(names, key=lambda n: pinning[n] / BY_NAME[n].tolerance)
+            if pinning[worst] <= BY_NAME[worst].tolerance:
                 break
-            say(f"{worst} is not pinned by the measurements (standard error {errors[worst]:.3g}"
-                f" > {BY_NAME[worst].tolerance:g}): back to its prior")
+            say(f"{worst} is not pinned by the measurements (a 1 % error in them moves it by "
+                f"{pinning[worst]:.3g} > {BY_NAME[worst].tolerance:g}): back to its prior")
             fitted.remove(worst)
             current = replace(current, **{worst: getattr(prior, worst)})
         else:

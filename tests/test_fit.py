@@ -190,3 +190,14 @@ def test_run_warns_when_the_calibration_is_for_other_hardware(tmp_path):
     res = CliRunner().invoke(app, ["run", str(sc), "--out", str(tmp_path / "o"), "--workers", "1"])
     assert res.exit_code == 0, res.output
     assert "made for cpu-2core, the scenario simulates a100-40gb" in res.output
+
+
+def test_one_kinds_run_drops_its_combined_throughput(tmp_path):
+    path = tmp_path / "emb.json"
+    path.write_text(json.dumps({"runs": [{"configuration": "dedicated-1:1", "metrics": {
+        "throughput_rps": {"embedding": 3.0, "generation": 0.0, "combined": 3.0},
+        "latency_s": {"generation": {"p50": None, "count": 0}, "embedding": {"p50": 0.2}}}}]}))
+    (run,) = load_measured([path])
+    assert run.metrics == {"throughput_rps.embedding": 3.0, "latency_s.embedding.p50": 0.2}
+    (run,) = load_measured([path], ["throughput_rps.*"])
+    assert run.metrics == {"throughput_rps.embedding": 3.0}

@@ -4,7 +4,8 @@ in which only the metrics that were measured need be present (docs/fitting.md).
 What ``orthrus-real bench`` and ``validate`` write is read as it is; a hand-written file needs
 only ``runs: [{configuration, metrics}]`` with a few of the fitted metrics (``FIT_METRICS``).
 A throughput of 0 or a percentile over no requests counts as not measured (a bench of one
-kind's server reports the other kind as 0).
+kind's server reports the other kind as 0), and so does a run's ``combined`` throughput when
+only one kind's is there (that server's total is not the configuration's).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def run_metrics(metrics: dict, where: str) -> dict[str, float]:
         v = _number(value, f"{where}.metrics.{path}")
         if v:  # 0: not measured
             out[path] = v
+    kinds = [k for k in KINDS if f"throughput_rps.{k}" in out]
+    if 0 < len(kinds) < len(KINDS):  # one kind's server: its "combined" is not the split's
+        out.pop("throughput_rps.combined", None)
     lat = metrics.get("latency_s") or {}
     if not isinstance(lat, dict):
         raise ValueError(f"{where}.metrics.latency_s: expected a mapping of kind -> statistics")
