@@ -56,7 +56,7 @@ def environment_warning(recorded, current: dict, dtype: str | None, name: str) -
         if rec.get("gpu") != current.get("gpu"):
             diffs.append(f"device {rec.get('gpu') or 'CPU'} there, {current.get('gpu') or 'CPU'} here")
     else:
-        if rec.get("machine") != current.get("machine"):
+        if rec.get("machine") and rec.get("machine") != current.get("machine"):
             diffs.append(f"CPU {rec.get('machine')!r} there, {current.get('machine')!r} here")
         missing = sorted(set(rec.get("cpu_flags") or []) - set(current.get("cpu_flags") or []))
         extra = sorted(set(current.get("cpu_flags") or []) - set(rec.get("cpu_flags") or []))

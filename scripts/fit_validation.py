@@ -79,15 +79,18 @@ def serve_command(args, port: int, role: str, scenario_file: Path | None = None,
     and the environment it needs."""
     env = dict(os.environ)
     sched = ["--token-budget", "2048", "--max-num-seqs", "256"]
+    if args.backend == "vllm" and args.engine_cpus:  # the vLLM worker's OpenMP team
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.engine_cpus
     if args.backend == "vllm" and role != "unified":  # stock vLLM
-        if args.engine_cpus:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = args.engine_cpus
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        cmd = ["vllm", "serve", str(args.model), "--port", str(port), "--max-num-seqs", "256",
-               "--max-num-batched-tokens", "2048", "--disable-log-requests"]
+        # vllm-cpu's `vllm` command looks up the metadata of a package named vllm and fails:
+        # its API server module is the same server
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(args.model), "--port", str(port), "--max-num-seqs", "256",
+               "--max-num-batched-tokens", "2048", "--max-model-len", "2048"]
         if role == "embedding":
             cmd += ["--runner", "pooling", "--convert", "embed",
-                    "--pooler-config", json.dumps({"pooling_type": "MEAN", "normalize": False})]
+                    "--pooler-config", json.dumps({"pooling_type": "MEAN", "use_activation": False})]
         if args.engine_cpus:
             cmd = ["taskset", "-c", args.engine_cpus] + cmd
         return cmd, env

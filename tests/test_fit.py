@@ -201,3 +201,34 @@ def test_one_kinds_run_drops_its_combined_throughput(tmp_path):
     assert run.metrics == {"throughput_rps.embedding": 3.0, "latency_s.embedding.p50": 0.2}
     (run,) = load_measured([path], ["throughput_rps.*"])
     assert run.metrics == {"throughput_rps.embedding": 3.0}
+
+
+def test_fit_validation_tables_and_docs_section(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("fit_validation", ROOT / "scripts" / "fit_validation.py")
+    fv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fv)
+    rows = [{"configuration": "orthrus", "metric": m, "simulated": 1.1, "measured": 1.0,
+             "relative_error": 0.1 if m.startswith("throughput") else 0.3} for m, _ in fv.COMPARED]
+    params = {"embedding_scale": {"value": 1.2, "status": "fitted"},
+              "overlap": {"value": 1.0, "status": "undetermined"}}
+    results = [{"mix": "5:5", "fit": params, "predicted": rows, "prior": rows}]
+    args = SimpleNamespace(backend="torch", duration=20.0, warmup=4.0, clients=8,
+                           configurations=["orthrus"], engine_cpus="1", client_cpus="0")
+    lines = fv.table_lines(results, args, 12.0)
+    text = "\n".join(lines)
+    assert "| 5:5 | orthrus | +10.0% (+10%) |" in text and "**+30.0%**" in text
+    assert "2 of 6 cells meet their target." in text and "MAPE with the fitted calibration" in text
+    doc = tmp_path / "docs" / "fidelity.md"
+    doc.parent.mkdir()
+    doc.write_text("# Fidelity\n\ntoday's table\n")
+    monkeypatch.setattr(fv, "ROOT", tmp_path)
+    fv.write_docs(lines, "torch")
+    fv.write_docs(lines, "torch")  # replaced, not appended twice
+    fv.write_docs([line.replace("(torch)", "(vllm)") for line in lines], "vllm")
+    out = doc.read_text()
+    assert out.startswith("# Fidelity\n\ntoday's table\n") and out.count(fv.START) == 2
+    assert out.count("(torch)") == 1 and out.count("(vllm)") == 1

@@ -79,7 +79,8 @@ class CostFactorsModel(BaseModel):
 class EnvironmentModel(BaseModel):
     """Where the calibration's measurements were made (``orthrus_sim.costmodel.machine``)."""
     model_config = ConfigDict(extra="forbid")
-    machine: str = Field(description="CPU model name, or the GPU's name")
+    machine: str | None = Field(default=None, description="CPU model name, or the GPU's name "
+                                "(None: not recorded; the flags are compared alone)")
     cpu_flags: list[str] = Field(default_factory=list, description="the CPU's vector/matrix "
                                  "flags that decide kernel speed (avx2, avx512f, avx512_bf16, amx)")
     gpu: str | None = None
