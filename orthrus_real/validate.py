@@ -92,14 +92,15 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
         cmd += ["--embedding-adapter", adapter_dir]
     if engine_cpus:
         cmd += ["--cpus", engine_cpus]
-    return serve_and_bench(cmd, port, sc, configuration, log)
+    return serve_and_bench(cmd, port, sc, configuration, log)[0]
 
 
 def serve_and_bench(cmd: list[str], port: int, sc: Scenario, label: str, log: Path,
-                    start_timeout: float = 120.0, env: dict | None = None) -> dict:
+                    start_timeout: float = 120.0, env: dict | None = None,
+                    repeat: int = 1) -> list[dict]:
     """Start the server ``cmd`` (listening on ``port``; ``env``: its environment), bench it
-    with the scenario's workload once it is healthy, stop it (SIGTERM); returns the measured
-    run, labelled ``label``."""
+    ``repeat`` times with the scenario's workload once it is healthy, stop it (SIGTERM);
+    returns the measured runs, labelled ``label``."""
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
@@ -108,14 +109,14 @@ def serve_and_bench(cmd: list[str], port: int, sc: Scenario, label: str, log: Pa
                 wait_healthy(url, start_timeout, proc)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; see {log}") from None
-            doc, _ = asyncio.run(bench(url, sc, label=label))
+            runs = [asyncio.run(bench(url, sc, label=label))[0]["runs"][0] for _ in range(repeat)]
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return doc["runs"][0]
+    return runs
 
 
 def lookup(metrics: dict, path: str):

@@ -216,7 +216,7 @@ def test_fit_validation_tables_and_docs_section(tmp_path, monkeypatch):
     params = {"embedding_scale": {"value": 1.2, "status": "fitted"},
               "overlap": {"value": 1.0, "status": "undetermined"}}
     results = [{"mix": "5:5", "fit": params, "predicted": rows, "prior": rows}]
-    args = SimpleNamespace(backend="torch", duration=20.0, warmup=4.0, clients=8,
+    args = SimpleNamespace(backend="torch", duration=20.0, warmup=4.0, clients=8, repeat=1,
                            configurations=["orthrus"], engine_cpus="1", client_cpus="0")
     lines = fv.table_lines(results, args, 12.0)
     text = "\n".join(lines)
