@@ -115,7 +115,8 @@ class Evaluator:
         self.cache: dict[tuple, dict[str, dict]] = {}
         self.scenario = scenario
 
-    def _calibration(self, factors: CostFactors) -> CalibrationFile:
+    def calibration(self, factors: CostFactors) -> CalibrationFile:
+        """The prior (its coefficients, hardware, environment) with ``factors``."""
         base = self.prior or default_calibration(self.scenario)
         return base.model_copy(update={"factors": CostFactorsModel(**factors.as_dict())})
 
@@ -128,7 +129,7 @@ class Evaluator:
                 continue
             digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
             path = self.tmp / f"cal-{digest}.json"
-            save_calibration(self._calibration(f), path)
+            save_calibration(self.calibration(f), path)
             todo.append((key, Point(digest, {}, self.raw | {"calibration": str(path)})))
         if todo:
             by_name = {p.name: key for key, p in todo}
@@ -298,7 +299,7 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
                                                     else se * p.unit)
         logs = ev.residuals(sims)
         rms = float(np.sqrt(np.mean(logs ** 2))) if len(logs) else 0.0
-        cal = _output(ev, current, prior_cal, runs, params, resid_rows, rms, scenario)
+        cal = _output(ev, current, runs, params, resid_rows, rms, scenario)
         notes = []
         if len(ev.targets) < len(fitted) + 1:
             notes.append(f"{len(ev.targets)} measured metrics for {len(fitted)} fitted parameters: "
@@ -338,10 +339,9 @@ def _sensitivity(ev: Evaluator, at: CostFactors) -> dict[str, float]:
     return out
 
 
-def _output(ev: Evaluator, factors: CostFactors, prior: CalibrationFile | None,
-            runs: list[MeasuredRun], params: dict, resid_rows: list[dict], rms: float,
-            scenario: Scenario) -> CalibrationFile:
-    base = ev._calibration(factors)
+def _output(ev: Evaluator, factors: CostFactors, runs: list[MeasuredRun], params: dict,
+            resid_rows: list[dict], rms: float, scenario: Scenario) -> CalibrationFile:
+    base = ev.calibration(factors)
     fit_doc = FactorFitModel(
         scenario=scenario.name, measured=list(dict.fromkeys(r.source for r in runs)),
         prior=scenario.calibration,
