@@ -19,7 +19,10 @@ README says). The server runs on `--engine-cpus` and this client on `--client-cp
 and 0: apart), the same arrangement for every run.
 
 Run: python scripts/fit_validation.py [--backend torch|vllm] [--duration 60] [--warmup 10]
-     [--mixes 9:1,5:5,1:9] [--clients 16] [--model DIR] [--write-docs]
+     [--mixes 9:1,5:5,1:9] [--clients 16] [--repeat N] [--model DIR] [--write-docs]
+     [--note TEXT] [--tables-only]
+Results: OUT/<mix>/<server>/results.json (every bench), OUT/<mix>/fitted.json (the fit),
+OUT/summary-BACKEND.json and OUT/table-BACKEND.md.
 """
 
 from __future__ import annotations
@@ -177,7 +180,7 @@ def table_lines(results: list[dict], args, wall: float) -> list[str]:
         "servers alone, then Orthrus and the unified baselines were predicted and measured. "
         "Cells: (predicted - measured) / measured with the fitted calibration, and in brackets "
         "with the prior calibration (no fit). Targets: throughput within 10 %, p50 within 20 %; "
-        "**bold** misses.", ""]
+        "**bold** misses." + (f" {args.note}" if getattr(args, "note", None) else ""), ""]
     head = ["mix", "configuration", "emb tput", "gen tput", "emb p50", "gen p50", "TTFT p50",
             "TPOT p50"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -262,6 +265,9 @@ def main() -> None:
                         "sees every run; the comparison their mean; the spread is reported)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "fit_validation")
     parser.add_argument("--write-docs", action="store_true", help="update docs/fidelity.md")
+    parser.add_argument("--note", default=None, help="a caveat printed with the table")
+    parser.add_argument("--tables-only", action="store_true", help="measure nothing: the tables "
+                        "from OUT/summary-BACKEND.json of an earlier run")
     args = parser.parse_args()
     args.configurations = [c for c in args.configurations.split(",") if c]
     args.calibration = args.calibration or str(
@@ -273,15 +279,21 @@ def main() -> None:
                         "--size", "small", "--adapter-rank", "16"], check=True)
     parse_cpus(args.engine_cpus, "--engine-cpus")
     pin_process(parse_cpus(args.client_cpus, "--client-cpus"))
-    started = time.time()
-    results = []
-    for mix in args.mixes.split(","):
-        if mix not in MIXES:
-            raise SystemExit(f"--mixes: unknown mix {mix!r}; known: {', '.join(MIXES)}")
-        results.append(one_mix(args, mix, MIXES[mix], console))
-    lines = table_lines(results, args, time.time() - started)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"summary-{args.backend}.json").write_text(json.dumps(results, indent=2) + "\n")
+    summary = args.out / f"summary-{args.backend}.json"
+    if args.tables_only:  # the tables again from the stored results (same arguments)
+        stored = json.loads(summary.read_text())
+        results, wall = stored["mixes"], stored["wall_s"]
+    else:
+        started = time.time()
+        results = []
+        for mix in args.mixes.split(","):
+            if mix not in MIXES:
+                raise SystemExit(f"--mixes: unknown mix {mix!r}; known: {', '.join(MIXES)}")
+            results.append(one_mix(args, mix, MIXES[mix], console))
+        wall = time.time() - started
+        args.out.mkdir(parents=True, exist_ok=True)
+        summary.write_text(json.dumps({"mixes": results, "wall_s": wall}, indent=2) + "\n")
+    lines = table_lines(results, args, wall)
     (args.out / f"table-{args.backend}.md").write_text("\n".join(lines) + "\n")
     console.print("\n".join(lines), markup=False, highlight=False)
     if args.write_docs:
