@@ -110,6 +110,7 @@ class Evaluator:
         self.prior = prior
         self.runs = runs
         self.targets = [(r.configuration, m, v) for r in runs for m, v in r.metrics.items()]
+        self.kinds = [r.kind for r in runs for _ in r.metrics]
         self.workers = workers
         self.tmp = tmp
         self.cache: dict[tuple, dict[str, dict]] = {}
@@ -141,13 +142,24 @@ class Evaluator:
         return [self.cache[tuple(f.as_dict().values())] for f in batch]
 
     def simulated(self, sims: dict[str, dict]) -> list[float | None]:
-        return [_get(sims[cfg], metric) for cfg, metric, _ in self.targets]
+        return [_value(sims[cfg], metric, kind)
+                for (cfg, metric, _), kind in zip(self.targets, self.kinds)]
 
     def residuals(self, sims: dict[str, dict]) -> np.ndarray:
         out = []
         for (_, _, measured), s in zip(self.targets, self.simulated(sims)):
             out.append(math.log(s / measured) if s else MISSING)
         return np.array(out)
+
+
+def _value(metrics: dict, path: str, kind: str | None) -> float | None:
+    """A simulated metric; the busy share of one kind's server of a split is that of the
+    replicas of that role."""
+    if path == "utilization.busy" and kind is not None:
+        rows = [g["busy"] for g in metrics["utilization"].get("per_gpu", []) if g["role"] == kind]
+        if rows:
+            return sum(rows) / len(rows)
+    return _get(metrics, path)
 
 
 def default_calibration(scenario: Scenario) -> CalibrationFile:
@@ -229,12 +241,12 @@ def standard_errors(jac: np.ndarray, residuals: np.ndarray | None = None) -> np.
 
 def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
         fixed: dict[str, float] | None = None, progress: Callable[[str], None] | None = None,
-        max_rounds: int = 5) -> FitResult:
+        max_rounds: int = 4) -> FitResult:
     """Fit the factors of ``PARAMETERS`` (less ``fixed``: name -> value) to ``runs``.
 
-    The parameters with an effect (``determined``) are fitted; then the one whose standard
-    error exceeds its ``tolerance`` the most is returned to its prior and the rest refitted,
-    until every fitted one is pinned by the measurements.
+    The parameters with an effect at the prior (``determined``) are fitted, keeping only those
+    the measurements pin (``_pinned_fit``); then each parameter left out is probed at a few
+    values (``_probe``), and one that fits much better there joins the fit, from that value.
     """
     fixed = dict(fixed or {})
     for name in fixed:
@@ -256,30 +268,21 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
         say(f"sensitivities at the prior ({len(free) + 1} simulations)")
         z_prior = np.array([BY_NAME[n].to_z(getattr(prior, n)) for n in free])
         fitted, _ = determined(_jacobian(ev, prior, free, z_prior), free, len(ev.targets))
-        current = prior
-        errors: dict[str, float] = {}
+        current, errors = prior, {}
+        probed: set[str] = set()
         for _ in range(max_rounds):
-            if not fitted:
-                current = prior
+            current, fitted, errors = _pinned_fit(ev, prior, current, fitted, say)
+            # a parameter with no effect at its prior may still matter further out (a small
+            # per-request overhead hides behind the device's queue, a large one shows): try
+            # each once at a few values, and fit it from the best if that fits much better
+            todo = [n for n in free if n not in fitted and n not in probed]
+            probed.update(todo)
+            found = _probe(ev, current, todo, fitted, say)
+            if found is None:
                 break
-            say(f"fitting {', '.join(fitted)}")
-            base = replace(prior, **{n: getattr(current, n) for n in fitted})
-            names = list(fitted)
-            res = _least_squares(ev, base, names)
-            current = _factors(base, names, res.x)
-            jac = _jacobian(ev, current, names, res.x)
-            pinning = {n: float(e) for n, e in zip(names, standard_errors(jac))}
-            errors = {n: float(e) for n, e in zip(names, standard_errors(jac, res.fun))}
-            worst = max(names, key=lambda n: pinning[n] / BY_NAME[n].tolerance)
-            if pinning[worst] <= BY_NAME[worst].tolerance:
-                break
-            say(f"{worst} is not pinned by the measurements (a 1 % error in them moves it by "
-                f"{pinning[worst]:.3g} > {BY_NAME[worst].tolerance:g}): back to its prior")
-            fitted.remove(worst)
-            current = replace(current, **{worst: getattr(prior, worst)})
-        else:
-            fitted = []
-            current = prior
+            name, value = found
+            current = replace(current, **{name: value})
+            fitted = [n for n in free if n in fitted or n == name]
         say("sensitivity of each parameter across its bounds")
         sensitivity = _sensitivity(ev, current)
         sims = ev.simulate([current])[0]
@@ -307,7 +310,64 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
         return FitResult(cal, resid_rows, params, len(ev.cache), notes)
 
 
-def _least_squares(ev: Evaluator, base: CostFactors, names: list[str]):
+def _pinned_fit(ev: Evaluator, prior: CostFactors, current: CostFactors, fitted: list[str],
+                say: Callable[[str], None]) -> tuple[CostFactors, list[str], dict[str, float]]:
+    """Fit ``fitted`` from ``current`` (the rest at the prior); while one is not pinned by the
+    measurements (a 1 % error in them moves it by more than its tolerance), return the worst
+    to its prior and refit the rest. Returns the fit, what stayed fitted, standard errors."""
+    fitted = list(fitted)
+    while fitted:
+        say(f"fitting {', '.join(fitted)}")
+        base = replace(prior, **{n: getattr(current, n) for n in fitted})
+        res = _least_squares(ev, base, fitted)
+        current = _factors(base, fitted, res.x)
+        jac = _jacobian(ev, current, fitted, res.x)
+        pinning = {n: float(e) for n, e in zip(fitted, standard_errors(jac))}
+        errors = {n: float(e) for n, e in zip(fitted, standard_errors(jac, res.fun))}
+        worst = max(fitted, key=lambda n: pinning[n] / BY_NAME[n].tolerance)
+        if pinning[worst] <= BY_NAME[worst].tolerance:
+            return current, fitted, errors
+        say(f"{worst} is not pinned by the measurements (a 1 % error in them moves it by "
+            f"{pinning[worst]:.3g} > {BY_NAME[worst].tolerance:g}): back to its prior")
+        fitted.remove(worst)
+        current = replace(current, **{worst: getattr(prior, worst)})
+    return prior, [], {}
+
+
+PROBE_GAIN = 0.8  # a probe is taken when its squared residuals are below this share of the fit's
+
+
+def _probe_values(p: Parameter, at: float) -> list[float]:
+    """A few values across a parameter's range (overheads log-spaced from 2 ms)."""
+    if p.log:
+        return [at * f for f in (0.25, 4.0) if p.low <= at * f <= p.high]
+    if p.name.endswith("_overhead_s"):
+        return [0.002, 0.01, 0.05, 0.25]
+    return [p.low, (p.low + p.high) / 2, p.high]
+
+
+def _probe(ev: Evaluator, at: CostFactors, names: list[str], fitted: list[str],
+           say: Callable[[str], None]) -> tuple[str, float] | None:
+    """The (parameter, value) that lowers the squared residuals most, if below ``PROBE_GAIN``
+    of theirs at ``at``: a brief fit of it and ``fitted`` from each of a few starting values
+    of it (a hidden parameter often trades against a fitted one, a per-request overhead
+    against a scale)."""
+    if not names:
+        return None
+    base = float(np.sum(ev.residuals(ev.simulate([at])[0]) ** 2))
+    best, best_cost = None, PROBE_GAIN * base
+    for name in names:
+        say(f"probing {name}")
+        for value in _probe_values(BY_NAME[name], getattr(at, name)):
+            res = _least_squares(ev, replace(at, **{name: value}), [*fitted, name], max_nfev=6)
+            if 2 * res.cost < best_cost:
+                best, best_cost = (name, BY_NAME[name].from_z(float(res.x[-1]))), 2 * res.cost
+    if best is not None:
+        say(f"{best[0]} = {best[1]:.4g} fits better: fitting it too")
+    return best
+
+
+def _least_squares(ev: Evaluator, base: CostFactors, names: list[str], max_nfev: int = 30):
     """Bounded least squares over ``names`` from ``base``, log-ratio residuals."""
     z0 = np.array([BY_NAME[n].to_z(getattr(base, n)) for n in names])
     lo = np.array([BY_NAME[n].z_bounds[0] for n in names])
@@ -315,7 +375,7 @@ def _least_squares(ev: Evaluator, base: CostFactors, names: list[str]):
     return least_squares(
         lambda z: ev.residuals(ev.simulate([_factors(base, names, z)])[0]), z0,
         jac=lambda z: _jacobian(ev, base, names, z), bounds=(lo, hi), method="trf",
-        x_scale=1.0, xtol=1e-4, ftol=1e-6, gtol=1e-8, max_nfev=30)
+        x_scale=1.0, xtol=1e-4, ftol=1e-6, gtol=1e-8, max_nfev=max_nfev)
 
 
 def _sensitivity(ev: Evaluator, at: CostFactors) -> dict[str, float]:

@@ -61,7 +61,8 @@ TARGETS = {"throughput": 0.10, "p50": 0.20}
 COMPARED = [("throughput_rps.embedding", "throughput"), ("throughput_rps.generation", "throughput"),
             ("latency_s.embedding.p50", "p50"), ("latency_s.generation.p50", "p50"),
             ("latency_s.ttft.p50", "p50"), ("latency_s.tpot.p50", "p50")]
-FIT_METRICS = ["throughput_rps.embedding", "throughput_rps.generation", "latency_s.*.p50",
+FIT_METRICS = ["throughput_rps.embedding", "throughput_rps.generation", "utilization.busy",
+               "latency_s.*.p50",
                "latency_s.*.p95"]
 START = "<!-- fit-validation: written by scripts/fit_validation.py -->"
 END = "<!-- /fit-validation -->"

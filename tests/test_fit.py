@@ -143,7 +143,7 @@ def test_hand_written_minimal_file_fits_and_reports_undetermined(tmp_path):
      "throughput_rps.embeddings: unknown kind"),
     ({"runs": [{"configuration": "orthrus", "metrics": {"latency_s": {"ttft": {"p90": 1}}}}]},
      "latency_s.ttft.p90: unknown statistic"),
-    ({"runs": [{"configuration": "orthrus", "metrics": {"utilization": {"busy": 1}}}]},
+    ({"runs": [{"configuration": "orthrus", "metrics": {"utilization": {"mfu": 0.3}}}]},
      "no fitted metric"),
     ({"schema": "other/1", "runs": []}, "schema must be"),
 ])

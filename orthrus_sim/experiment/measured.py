@@ -23,7 +23,8 @@ THROUGHPUT_KEYS = (*KINDS, "combined", "workflow")
 LATENCY_KEYS = (*KINDS, "ttft", "tpot", "workflow")
 STATS = ("mean", *PERCENTILES)
 FIT_METRICS = tuple([f"throughput_rps.{k}" for k in THROUGHPUT_KEYS]
-                    + [f"latency_s.{k}.{q}" for k in LATENCY_KEYS for q in STATS])
+                    + [f"latency_s.{k}.{q}" for k in LATENCY_KEYS for q in STATS]
+                    + ["utilization.busy"])
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class MeasuredRun:
     configuration: str
     metrics: dict[str, float]
     source: str
+    kind: str | None = None  # the one kind measured (a single-kind server of a split), if so
 
 
 def _number(value, where: str) -> float | None:
@@ -66,6 +68,11 @@ def run_metrics(metrics: dict, where: str) -> dict[str, float]:
     kinds = [k for k in KINDS if f"throughput_rps.{k}" in out]
     if 0 < len(kinds) < len(KINDS):  # one kind's server: its "combined" is not the split's
         out.pop("throughput_rps.combined", None)
+    busy = (metrics.get("utilization") or {}).get("busy") \
+        if isinstance(metrics.get("utilization"), dict) else None
+    busy = _number(busy, f"{where}.metrics.utilization.busy")
+    if busy:  # the device's busy share: a front end that limits the server leaves it idle
+        out["utilization.busy"] = busy
     lat = metrics.get("latency_s") or {}
     if not isinstance(lat, dict):
         raise ValueError(f"{where}.metrics.latency_s: expected a mapping of kind -> statistics")
@@ -121,7 +128,10 @@ def load_measured(paths: list[str | Path], patterns: list[str] | None = None) ->
                 raise ValueError(f"{where}: no fitted metric is present (any of "
                                  "throughput_rps.<kind>, latency_s.<kind>.<p50|p95|p99|mean>"
                                  + (f", matching {', '.join(patterns)}" if patterns else "") + ")")
-            runs.append(MeasuredRun(run["configuration"], metrics, str(path)))
+            kinds = [k for k in KINDS if f"throughput_rps.{k}" in metrics
+                     or any(m.startswith(f"latency_s.{k}.") for m in metrics)]
+            runs.append(MeasuredRun(run["configuration"], metrics, str(path),
+                                    kinds[0] if len(kinds) == 1 else None))
     return runs
 
 
