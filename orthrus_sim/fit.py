@@ -342,8 +342,8 @@ def _probe_values(p: Parameter, at: float) -> list[float]:
     if p.log:
         return [at * f for f in (0.25, 4.0) if p.low <= at * f <= p.high]
     if p.name.endswith("_overhead_s"):
-        return [0.002, 0.01, 0.05, 0.25]
-    return [p.low, (p.low + p.high) / 2, p.high]
+        return [0.005, 0.05, 0.25]
+    return [p.low, p.high]
 
 
 def _probe(ev: Evaluator, at: CostFactors, names: list[str], fitted: list[str],
@@ -354,12 +354,17 @@ def _probe(ev: Evaluator, at: CostFactors, names: list[str], fitted: list[str],
     against a scale)."""
     if not names:
         return None
-    base = float(np.sum(ev.residuals(ev.simulate([at])[0]) ** 2))
+    r0 = ev.residuals(ev.simulate([at])[0])
+    base = float(np.sum(r0 ** 2))
     best, best_cost = None, PROBE_GAIN * base
     for name in names:
+        values = _probe_values(BY_NAME[name], getattr(at, name))
+        sims = ev.simulate([replace(at, **{name: v}) for v in values])
+        if all(np.array_equal(ev.residuals(x), r0) for x in sims):
+            continue  # no effect anywhere on these measurements
         say(f"probing {name}")
-        for value in _probe_values(BY_NAME[name], getattr(at, name)):
-            res = _least_squares(ev, replace(at, **{name: value}), [*fitted, name], max_nfev=6)
+        for value in values:
+            res = _least_squares(ev, replace(at, **{name: value}), [*fitted, name], max_nfev=4)
             if 2 * res.cost < best_cost:
                 best, best_cost = (name, BY_NAME[name].from_z(float(res.x[-1]))), 2 * res.cost
     if best is not None:

@@ -25,7 +25,7 @@ PRIOR = ROOT / "calibration" / "cpu-2core-small.json"
 
 def scenario_raw(calibration: Path = PRIOR, gen_clients: int = 4) -> dict:
     return {
-        "name": "fit-test", "seed": 3, "duration_s": 30, "warmup_s": 5,
+        "name": "fit-test", "seed": 3, "duration_s": 20, "warmup_s": 4,
         "hardware": "cpu-2core", "model": "orthrus-small", "calibration": str(calibration),
         "cluster": {"gpus": 2},
         "scheduler": {"token_budget": 2048, "chunk_size": 512, "max_num_seqs": 64},
@@ -70,7 +70,9 @@ def test_overheads_occupy_the_server_not_the_device(tmp_path):
     m = simulate(parse_scenario(scenario_raw(slow)), "dedicated-1:1").metrics
     # one request at a time through a 0.2 s front end: at most 5 embeddings/s
     assert m["throughput_rps"]["embedding"] <= 5.0 + 0.2 < base["throughput_rps"]["embedding"]
-    assert m["throughput_rps"]["generation"] == pytest.approx(base["throughput_rps"]["generation"])
+    # the generation replica is untouched (up to the order of same-instant events at its front end)
+    assert m["throughput_rps"]["generation"] == pytest.approx(base["throughput_rps"]["generation"],
+                                                              rel=0.05)
 
 
 def test_fit_recovers_a_simulated_ground_truth(tmp_path):
