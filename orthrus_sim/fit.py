@@ -409,7 +409,7 @@ def _output(ev: Evaluator, factors: CostFactors, runs: list[MeasuredRun], params
     base = ev.calibration(factors)
     fit_doc = FactorFitModel(
         scenario=scenario.name, measured=list(dict.fromkeys(r.source for r in runs)),
-        prior=scenario.calibration,
+        prior=_shown(scenario.calibration),
         parameters={k: FactorParameterModel(
             **{**v, "sensitivity": v["sensitivity"] if math.isfinite(v["sensitivity"]) else 1e9})
             for k, v in params.items()},
@@ -417,6 +417,16 @@ def _output(ev: Evaluator, factors: CostFactors, runs: list[MeasuredRun], params
         evaluations=len(ev.cache))
     return base.model_copy(update={"factor_fit": fit_doc,
                                    "created": datetime.date.today().isoformat()})
+
+
+def _shown(path: str | None) -> str | None:
+    """A path as recorded: relative to the current folder when inside it."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return path
 
 
 def fit_json(result: FitResult) -> str:
