@@ -234,3 +234,21 @@ def test_fit_validation_tables_and_docs_section(tmp_path, monkeypatch):
     out = doc.read_text()
     assert out.startswith("# Fidelity\n\ntoday's table\n") and out.count(fv.START) == 2
     assert out.count("(torch)") == 1 and out.count("(vllm)") == 1
+
+
+def test_documented_examples_load():
+    (run,) = load_measured([ROOT / "docs" / "examples" / "published-dedicated.yaml"])
+    assert run.configuration == "dedicated-1:3" and run.metrics == {"throughput_rps.embedding": 15.0}
+    cal = load_calibration(ROOT / "docs" / "examples" / "a100-fitted-embedding.json")
+    assert cal.cost_factors().embedding_scale == pytest.approx(7.2, rel=0.01)
+    assert cal.factor_fit.parameters["decode_scale"].status == "undetermined"
+    text = (ROOT / "docs" / "fitting.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]  # the minimal form, as documented
+    import yaml
+
+    from orthrus_sim.experiment.measured import run_metrics
+
+    doc = yaml.safe_load(block)
+    assert run_metrics(doc["runs"][0]["metrics"], "doc") == {
+        "throughput_rps.embedding": 15.2, "throughput_rps.generation": 2.1,
+        "latency_s.generation.p50": 41.0, "latency_s.ttft.p99": 0.9}
