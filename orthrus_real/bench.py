@@ -402,6 +402,49 @@ def stream_summary(metrics: dict) -> str:
             f"p95 {ms['p95']:.1f}, p99 {ms['p99']:.1f} ({itl['count']} gaps)")
 
 
+SPREAD_METRICS = ("throughput_rps.embedding", "throughput_rps.generation", "latency_s.embedding.p50",
+                  "latency_s.generation.p50", "latency_s.ttft.p50", "latency_s.tpot.p50")
+
+
+def spread(runs: list[dict]) -> dict[str, dict]:
+    """Run-to-run spread of repeated runs: per metric of ``SPREAD_METRICS`` measured in at least
+    two, the values, their mean and coefficient of variation."""
+    from orthrus_sim.experiment.results import _get
+
+    out = {}
+    for path in SPREAD_METRICS:
+        values = [v for v in (_get(r["metrics"], path) for r in runs) if v]
+        if len(values) >= 2:
+            mean = float(np.mean(values))
+            out[path] = {"values": values, "mean": mean,
+                         "cv": float(np.std(values, ddof=1) / mean) if mean else None}
+    return out
+
+
+def mean_metrics(runs: list[dict]) -> dict:
+    """The metrics of repeated runs averaged leaf by leaf (numbers present in every run)."""
+    def merge(nodes):
+        if all(isinstance(n, dict) for n in nodes):
+            keys = set(nodes[0]).intersection(*nodes[1:])
+            return {k: merge([n[k] for n in nodes]) for k in nodes[0] if k in keys}
+        if all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in nodes):
+            return float(np.mean(nodes))
+        return nodes[0] if all(n == nodes[0] for n in nodes) else None
+
+    return merge([r["metrics"] for r in runs])
+
+
+def repeats_doc(docs: list[tuple[dict, list[dict]]]) -> tuple[dict, list[dict]]:
+    """Repeated runs as one document: every run (the same configuration), and ``repeats``:
+    their run-to-run spread (``spread``)."""
+    doc, rows = docs[0]
+    if len(docs) == 1:
+        return doc, rows
+    doc = {**doc, "runs": [d["runs"][0] for d, _ in docs]}
+    doc["repeats"] = spread(doc["runs"])
+    return doc, [row for _, r in docs for row in r]
+
+
 def write_results(doc: dict, rows: list[dict], out: Path, plots: bool = True) -> Path:
     """``results.json``, the per-request CSV and the plots, as ``orthrus-sim run`` writes them."""
     out.mkdir(parents=True, exist_ok=True)

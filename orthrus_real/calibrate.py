@@ -30,6 +30,7 @@ from orthrus_sim.costmodel import (
 )
 from orthrus_sim.costmodel.calibration import (
     CalibrationFile,
+    EnvironmentModel,
     FitErrorModel,
     SourceModel,
     coefficients_model,
@@ -182,8 +183,10 @@ ENGINE_NAMES = {"torch": "the PyTorch engine", "vllm": "vLLM with the Orthrus pl
 
 
 def fit(rows: list[dict], model_dir: str, adapter_rank: int | None, hardware: str = "cpu-2core",
-        holdout_every: int = 5, backend: str = "torch") -> tuple[CalibrationFile, list[dict]]:
-    """Fit group efficiencies and overheads; returns the calibration and per-row predictions."""
+        holdout_every: int = 5, backend: str = "torch",
+        environment: dict | None = None) -> tuple[CalibrationFile, list[dict]]:
+    """Fit group efficiencies and overheads; returns the calibration and per-row predictions.
+    ``environment``: where it was measured (``device.engine_environment``), recorded in it."""
     hw = get_hardware(hardware)
     spec = get_model(model_dir)
     lora = LoRASpec(adapter_rank) if adapter_rank else None
@@ -218,6 +221,7 @@ def fit(rows: list[dict], model_dir: str, adapter_rank: int | None, hardware: st
         fit_error=FitErrorModel(iteration_mape=round(errors.get("holdout_mape", errors["train_mape"]), 5),
                                 points=len(rows), detail=detail),
         created=datetime.date.today().isoformat(),
+        environment=EnvironmentModel(**environment) if environment else None,
     )
     return cal, rows
 

@@ -121,7 +121,9 @@ def serve(
     pooling: str = typer.Option("mean", help="default pooling head for /v1/embeddings"),
     device: str = typer.Option(None, help="cpu or cuda (default: cuda when present)"),
     dtype: str = typer.Option(None, help="float32 or bfloat16 (default: by device)"),
-    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
+    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default, or one per --cpus)"),
+    cpus: str = typer.Option(None, "--cpus", help="run the server on these CPUs only (0,1 or 0-3), "
+                             "e.g. apart from a bench client on the same machine"),
     backend: str = typer.Option("torch", help=BACKEND_HELP),
     max_model_len: int = typer.Option(None, help="longest prompt + output accepted (default: the "
                                                  "model's)"),
@@ -146,6 +148,11 @@ def serve(
     if not 1 <= port <= 65535:
         fail(f"--port must be between 1 and 65535, got {port}")
     try:
+        from orthrus_real.device import parse_cpus, pin_process
+
+        pinned = parse_cpus(cpus)
+        pin_process(pinned)
+        threads = threads or len(pinned or ())
         setup_logging(log_level)
         if max_model_len is not None:  # a field like any other: one path for every override
             set_ = [*set_, f"scheduler.max_model_len={max_model_len}"]
@@ -175,6 +182,14 @@ def bench(
     label: str = typer.Option("measured", help="configuration name in results.json"),
     token_range: int = typer.Option(500, help="prompts use random token ids in [4, N)"),
     fmt: str = typer.Option("table", "--format", help="table | csv | json"),
+    only: str = typer.Option(None, "--only", help="embedding | generation: send only that kind's "
+                             "pools (a dedicated single-kind server)"),
+    repeat: int = typer.Option(1, help="run the workload this many times; results.json holds "
+                               "every run and their spread (repeats)"),
+    client_cpus: str = typer.Option(None, "--client-cpus", help="run this client on these CPUs "
+                                    "only (0,1 or 0-3), apart from the server's (serve --cpus)"),
+    calibration: Path = typer.Option(None, "--calibration", help="warn when this machine differs "
+                                     "from the one this calibration was measured on"),
 ) -> None:
     """Load-test a live server with a scenario's workload; results in the simulator's schema."""
     import asyncio
@@ -182,28 +197,48 @@ def bench(
     from rich.progress import Progress
 
     from orthrus_real.bench import bench as run_bench
-    from orthrus_real.bench import stream_summary, write_results
+    from orthrus_real.bench import repeats_doc, stream_summary, write_results
+    from orthrus_real.device import environment_check, parse_cpus, pin_process
     from orthrus_sim.experiment.results import print_runs
     from orthrus_sim.experiment.scenario import load_scenario
 
     try:
         sc = load_scenario(scenario, set_)
+        if only:
+            from orthrus_sim.experiment.measured import only_kind
+            from orthrus_sim.experiment.scenario import parse_scenario, scenario_dump
+
+            sc = parse_scenario(only_kind(scenario_dump(sc), only), f"{scenario} (--only {only})")
+        if repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {repeat}")
+        pin_process(parse_cpus(client_cpus, "--client-cpus"))
+        warning = environment_check(str(calibration)) if calibration else None
     except ValueError as exc:
         fail(exc)
+    if warning:
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+    docs = []
     try:
         with Progress(console=make_console(stderr=True), transient=True) as bar:
-            task = bar.add_task(f"{sc.name} against {url}", total=1.0)
-            doc, rows = asyncio.run(run_bench(url, sc, label, token_range,
-                                              on_progress=lambda f: bar.update(task, completed=f)))
+            for i in range(repeat):
+                task = bar.add_task(f"{sc.name} against {url}" + (f" ({i + 1}/{repeat})" if repeat > 1
+                                                                  else ""), total=1.0)
+                docs.append(asyncio.run(run_bench(url, sc, label, token_range,
+                                                  on_progress=lambda f, t=task: bar.update(t, completed=f))))
     except KeyboardInterrupt:
         interrupted()
     except Exception as exc:  # connection refused, server gone: say so plainly
         fail(f"bench against {url} failed: {exc}", 1)
+    doc, rows = repeats_doc(docs)
     path = write_results(doc, rows, out)
     notes = console if fmt == "table" else make_console(stderr=True)
     print_runs(console, doc["runs"], f"{sc.name} against {url}", fmt, notes=notes)
     if fmt == "table":
         console.print(stream_summary(doc["runs"][0]["metrics"]), highlight=False)
+    for metric, s in doc.get("repeats", {}).items():
+        cv = "-" if s["cv"] is None else f"{s['cv']:.1%}"
+        notes.print(f"{metric}: mean {s['mean']:.4g} over {len(s['values'])} runs, "
+                    f"run-to-run CV {cv}", highlight=False)
     notes.print(f"results: {path}", highlight=False)
 
 
@@ -240,8 +275,12 @@ def calibrate(
         if load_seconds > 0:
             with console.status(f"profiling {load_seconds:.0f} s of mixed serving load"):
                 rows += cal.profile_load(runner, min(load_seconds, 6.0) if quick else load_seconds)
+        from orthrus_real.device import engine_environment
+
+        env = engine_environment(runner.engine, backend)
         runner.stop()
-        calibration, rows = cal.fit(rows, str(model), rank, hardware, backend=backend)
+        calibration, rows = cal.fit(rows, str(model), rank, hardware, backend=backend,
+                                    environment=env)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:
@@ -272,17 +311,27 @@ def validate(
     via_server: bool = typer.Option(False, help="measure through a server process and HTTP "
                                                 "(default: the engine in this process)"),
     backend: str = typer.Option("torch", help=BACKEND_HELP),
+    engine_cpus: str = typer.Option(None, "--engine-cpus", help="with --via-server: the server's "
+                                    "CPUs (0,1 or 0-3)"),
+    client_cpus: str = typer.Option(None, "--client-cpus", help="with --via-server: this client's "
+                                    "CPUs, apart from the server's"),
 ) -> None:
     """Run a scenario simulated and for real on this machine; print both and the errors."""
+    from orthrus_real.device import parse_cpus, pin_process
     from orthrus_real.validate import validate as run_validate
 
     try:
+        if (engine_cpus or client_cpus) and not via_server:
+            raise ValueError("--engine-cpus and --client-cpus need --via-server (the engine and "
+                             "the client in one process cannot be pinned apart)")
+        parse_cpus(engine_cpus, "--engine-cpus")
+        pin_process(parse_cpus(client_cpus, "--client-cpus"))
         with console.status("validating ...") as status:
             result = run_validate(scenario, set_, str(model),
                                   str(embedding_adapter) if embedding_adapter else None,
                                   str(calibration), out, kv_cache_tokens, threads,
                                   progress=lambda msg: status.update(msg), via_server=via_server,
-                                  backend=backend)
+                                  backend=backend, engine_cpus=engine_cpus)
     except (ValueError, RuntimeError) as exc:
         fail(exc)
     except KeyboardInterrupt:
@@ -299,6 +348,8 @@ def validate(
         table.add_row(row["configuration"], row["metric"], fmt(row["simulated"]), fmt(row["measured"]),
                       "-" if err is None else f"{err:+.1%}")
     console.print(table)
+    for warning in result.get("warnings", []):
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     console.print(f"results: {out}/simulated/results.json, {out}/measured/results.json", highlight=False)
 
 

@@ -9,25 +9,14 @@ one log line; ``--dtype`` overrides.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
 from orthrus_real.model_files import DTYPES
+from orthrus_sim.machine import cpu_flags
 
 log = logging.getLogger("orthrus")
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def cpu_has_bf16() -> bool:
@@ -78,3 +67,75 @@ def choose_dtype(device: torch.device, requested: str | None, model_dtype: torch
               f"the model is {name}, which CPUs compute slowly: fp32 instead")
     log.info("dtype: float32 (%s)", reason)
     return torch.float32, reason
+
+
+def engine_environment(engine, backend: str) -> dict:
+    """Where and how ``engine`` runs, as a calibration records it (``EnvironmentModel``)."""
+    from orthrus_sim.machine import this_machine
+
+    device = getattr(engine, "device", None)
+    gpu = None
+    if device is not None and torch.device(device).type == "cuda":
+        gpu = torch.cuda.get_device_name(torch.device(device))
+    elif device is None and backend == "vllm" and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+    if backend == "vllm":
+        import vllm
+
+        version = f"vllm {vllm.__version__}"
+    else:
+        version = f"torch {torch.__version__}"
+    return {**this_machine(gpu), "dtype": str(engine.cfg.dtype).removeprefix("torch."),
+            "engine": backend, "engine_version": version, "threads": torch.get_num_threads()}
+
+
+def environment_check(calibration_path: str, model_dir: str | None = None,
+                      device: str | None = None) -> str | None:
+    """One line when the calibration was measured on another machine, or in another dtype
+    than a model in ``model_dir`` runs in here (``orthrus_sim.machine.environment_warning``)."""
+    from pathlib import Path
+
+    from orthrus_real.model_files import read_config
+    from orthrus_sim.costmodel import load_calibration
+    from orthrus_sim.machine import environment_warning, this_machine
+
+    cal = load_calibration(calibration_path)
+    dev = choose_device(device)
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    dtype = None
+    if model_dir is not None:
+        chosen, _ = choose_dtype(dev, None, read_config(model_dir).dtype)
+        dtype = str(chosen).removeprefix("torch.")
+    return environment_warning(cal.environment, this_machine(gpu), dtype, Path(calibration_path).name)
+
+
+def parse_cpus(text: str | None, option: str = "--cpus") -> set[int] | None:
+    """``0``, ``0,1`` or ``0-3`` -> CPU numbers this process may use (None: unset); an error
+    names the option and the CPUs there are."""
+    if not text:
+        return None
+    import os
+
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: expected CPU numbers such as 0 or 0,1 or 0-3") from None
+    allowed = set(range(os.cpu_count() or 1))  # a parent's own pinning does not bind its children
+    if not cpus or not cpus <= allowed:
+        raise ValueError(f"{option} {text!r}: this machine has CPUs {sorted(allowed)}")
+    return cpus
+
+
+def pin_process(cpus: set[int] | None) -> None:
+    """Run this process (and the threads it starts from now on) on ``cpus`` only: the bench
+    client and the engine apart, so neither takes the other's cores."""
+    if cpus:
+        import os
+
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            raise ValueError(f"cannot run on CPUs {sorted(cpus)}: {exc}") from None

@@ -79,7 +79,8 @@ def run_in_process(sc: Scenario, configuration: str, model_dir: str, adapter_dir
 
 
 def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str | None,
-             kv_cache_tokens: int, threads: int, out: Path, backend: str = "torch") -> dict:
+             kv_cache_tokens: int, threads: int, out: Path, backend: str = "torch",
+             engine_cpus: str | None = None) -> dict:
     """Start a server process for the scenario's configuration, bench it, stop it."""
     port = _free_port()
     scenario_file = out / "scenario.yaml"
@@ -91,22 +92,33 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
            "--threads", str(threads), "--backend", backend]
     if adapter_dir:
         cmd += ["--embedding-adapter", adapter_dir]
+    if engine_cpus:
+        cmd += ["--cpus", engine_cpus]
+    return serve_and_bench(cmd, port, sc, configuration, log)[0]
+
+
+def serve_and_bench(cmd: list[str], port: int, sc: Scenario, label: str, log: Path,
+                    start_timeout: float = 120.0, env: dict | None = None,
+                    repeat: int = 1) -> list[dict]:
+    """Start the server ``cmd`` (listening on ``port``; ``env``: its environment), bench it
+    ``repeat`` times with the scenario's workload once it is healthy, stop it (SIGTERM);
+    returns the measured runs, labelled ``label``."""
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             try:
-                wait_healthy(url, 120.0, proc)
+                wait_healthy(url, start_timeout, proc)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; see {log}") from None
-            doc, _ = asyncio.run(bench(url, sc, label=configuration))
+            runs = [asyncio.run(bench(url, sc, label=label))[0]["runs"][0] for _ in range(repeat)]
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return doc["runs"][0]
+    return runs
 
 
 def lookup(metrics: dict, path: str):
@@ -116,6 +128,25 @@ def lookup(metrics: dict, path: str):
             return None
         node = node[key]
     return node
+
+
+# fidelity as other simulators report it: MAPE per metric family over every compared cell
+MAPE_FAMILIES = {
+    "throughput": [f"throughput_rps.{k}" for k in ("embedding", "generation")],
+    "TTFT": [f"latency_s.ttft.{q}" for q in ("p50", "p99")],
+    "TPOT": [f"latency_s.tpot.{q}" for q in ("p50", "p99")],
+    "E2E": [f"latency_s.{k}.{q}" for k in ("embedding", "generation") for q in ("p50", "p99")],
+}
+
+
+def mape_summary(rows: list[dict]) -> dict[str, dict]:
+    """``{family: {mape, cells}}`` over ``compare`` rows (cells with both sides measured)."""
+    out = {}
+    for family, metrics in MAPE_FAMILIES.items():
+        errs = [abs(r["relative_error"]) for r in rows
+                if r["metric"] in metrics and r["relative_error"] is not None]
+        out[family] = {"mape": sum(errs) / len(errs) if errs else None, "cells": len(errs)}
+    return out
 
 
 def compare(simulated: list[dict], measured: list[dict]) -> list[dict]:
@@ -133,15 +164,20 @@ def compare(simulated: list[dict], measured: list[dict]) -> list[dict]:
 
 def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter_dir: str | None,
              calibration: str, out: Path, kv_cache_tokens: int = 32768, threads: int = 2,
-             progress=None, via_server: bool = False, backend: str = "torch") -> dict:
+             progress=None, via_server: bool = False, backend: str = "torch",
+             engine_cpus: str | None = None) -> dict:
     """``via_server``: measure through a server process and HTTP (adds the HTTP stack's CPU
     time, which the simulator does not model) instead of the engine in this process."""
+    from orthrus_real.device import environment_check
     from orthrus_real.model_files import adapter_rank
     from orthrus_sim.sim.run import simulate  # the simulator, only when validating
 
     base = load_scenario(scenario, overrides)
     rank = adapter_rank(adapter_dir) if adapter_dir else None
     sc = real_scenario(base, model_dir, rank, calibration, kv_cache_tokens)
+    warning = environment_check(calibration, model_dir)
+    if warning and progress:
+        progress(f"warning: {warning}")
     out.mkdir(parents=True, exist_ok=True)
     simulated, measured = [], []
     for cfg in sc.configurations:
@@ -152,7 +188,7 @@ def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter
             progress(f"measuring {cfg} ({sc.duration_s or '?'} s)")
         if via_server:
             measured.append(run_real(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads, out,
-                                     backend))
+                                     backend, engine_cpus))
         else:
             measured.append(run_in_process(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads,
                                            backend))
@@ -161,4 +197,4 @@ def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter
         write_json(results_doc(data, runs), out / name / "results.json")
     rows = compare(simulated, measured)
     (out / "comparison.json").write_text(json.dumps(rows, indent=2) + "\n")
-    return {"scenario": sc, "rows": rows}
+    return {"scenario": sc, "rows": rows, "warnings": [warning] if warning else []}

@@ -48,11 +48,20 @@ def run(
 
     try:
         sc = load_scenario(scenario, set_)
+        _calibration_warning(sc)
         run_scenario(sc, out, workers or None, console, fmt=_format(fmt), wide=wide)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
+
+
+def _calibration_warning(sc) -> None:
+    from orthrus_sim.machine import scenario_warning
+
+    warning = scenario_warning(sc)
+    if warning:
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
 
 
 @app.command()
@@ -171,6 +180,86 @@ def validate(
         console.print(f"{escape(str(scenario))} is valid", style="green", highlight=False)
     except ValueError as exc:
         fail(exc)
+
+
+@app.command()
+def fit(
+    scenario: str = typer.Argument(..., help=SCENARIO_HELP + " (the deployment: hardware, model, "
+                                   "load; its calibration is the prior the factors scale)"),
+    measured: list[Path] = typer.Option(..., "--measured", help="results.json of measured runs "
+                                        "(repeat); only the measured metrics need be present"),
+    out: Path = typer.Option(..., "--out", help="calibration JSON to write (orthrus-sim run "
+                                                "accepts it as a scenario's calibration)"),
+    set_: list[str] = typer.Option([], "--set", help="override a scenario field: section.key=value"),
+    fix: list[str] = typer.Option([], "--fix", help="hold a parameter at a value: NAME=VALUE"),
+    metrics: list[str] = typer.Option([], "--metrics", help="fit only these metrics (shell "
+                                      "patterns such as 'latency_s.*.p50'; repeat); default all"),
+    workers: int = typer.Option(0, help="parallel simulations (0: one per CPU)"),
+    fmt: str = typer.Option("table", "--format", help="table | json"),
+) -> None:
+    """Fit cost factors (device-time scales, mixed-iteration overlap, per-request overheads) to
+    measured serving metrics by simulation; write a calibration and report the residuals."""
+    import os
+
+    from orthrus_sim.costmodel import save_calibration
+    from orthrus_sim.experiment.measured import load_measured
+    from orthrus_sim.experiment.scenario import load_scenario
+    from orthrus_sim.fit import fit as run_fit
+    from orthrus_sim.fit import fit_json
+
+    if fmt not in ("table", "json"):
+        fail(f"--format must be table or json, got {fmt!r}")
+    try:
+        fixed = {}
+        for item in fix:
+            name, sep, value = item.partition("=")
+            try:
+                fixed[name.strip()] = float(value)
+            except ValueError:
+                fail(f"--fix {item!r}: expected NAME=VALUE (a number)")
+            if not sep:
+                fail(f"--fix {item!r}: expected NAME=VALUE")
+        sc = load_scenario(scenario, set_)
+        runs = load_measured(measured, metrics)
+        with console.status("fitting ...") as status:
+            result = run_fit(sc, runs, workers or os.cpu_count() or 1, fixed,
+                             progress=lambda msg: status.update(f"fitting: {msg}"))
+    except ValueError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        interrupted()
+    save_calibration(result.calibration, out)
+    if fmt == "json":
+        console.print(fit_json(result), markup=False, highlight=False, soft_wrap=True)
+    else:
+        _print_fit(result)
+    console.print(f"wrote {out}", highlight=False)
+
+
+def _print_fit(result) -> None:
+    from orthrus_sim.fit import BY_NAME
+
+    params = Table(title=f"fitted factors ({result.evaluations} simulations)")
+    for col in ("parameter", "value", "prior", "bounds", "status", "sensitivity", "meaning"):
+        params.add_column(col, overflow="fold")
+    for name, p in result.parameters.items():
+        lo, hi = p["bounds"]
+        params.add_row(name, f"{p['value']:.4g}", f"{p['prior']:.4g}", f"[{lo:g}, {hi:g}]",
+                       p["status"], f"{p['sensitivity']:.1%}", BY_NAME[name].meaning)
+    params.caption = ("sensitivity: the largest change of a measured metric with the parameter "
+                      "at either bound; undetermined: the measurements do not pin it (left at "
+                      "its prior)")
+    console.print(params)
+    resid = Table(title="measured vs fitted simulation")
+    for col in ("configuration", "metric", "measured", "simulated", "residual"):
+        resid.add_column(col, justify="right", overflow="fold")
+    for r in result.residuals:
+        sim = "-" if r["simulated"] is None else f"{r['simulated']:.4g}"
+        res = "-" if r["residual"] is None else f"{r['residual']:+.1%}"
+        resid.add_row(r["configuration"], r["metric"], f"{r['measured']:.4g}", sim, res)
+    console.print(resid)
+    for note in result.notes:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
 
 
 @app.command()

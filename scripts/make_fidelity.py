@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from orthrus_real.validate import validate
+from orthrus_real.validate import mape_summary, validate
 from orthrus_sim.experiment.scenario import read_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +38,19 @@ def cell(rows, cfg, metric):
     if row is None or row["relative_error"] is None:
         return "-", None
     return f"{row['relative_error']:+.1%}", abs(row["relative_error"])
+
+
+def fit_sections(text: str) -> list[str]:
+    """The "fit on baselines, predict the treatment" sections scripts/fit_validation.py wrote
+    into docs/fidelity.md: kept when this script rewrites the rest."""
+    from fit_validation import END, START  # beside this script
+
+    out = []
+    start = 0
+    while (i := text.find(START, start)) >= 0 and (j := text.find(END, i)) >= 0:
+        out.append(text[i:j + len(END)] + "\n")
+        start = j
+    return out
 
 
 def main() -> None:
@@ -104,13 +117,20 @@ def main() -> None:
                     met += 1
                 cells.append(text)
             lines.append(f"| {mix} | {cfg} | " + " | ".join(cells) + " |")
+    mape = mape_summary([r for rows in results.values() for r in rows])
     lines += ["", f"{met} of {met + missed} cells meet their target.", "",
+              "MAPE over all cells (the format other simulators report fidelity in; latencies "
+              "p50 and p99, E2E = each kind's request latency): " + ", ".join(
+                  f"{k} {v['mape']:.1%} ({v['cells']} cells)" for k, v in mape.items()
+                  if v["mape"] is not None) + ".", "",
               "Raw results: `out/fidelity/<mix>/{simulated,measured}/results.json` and "
               "`comparison.json` (every metric of the schema, not only these).", ""]
     notes = ROOT / "docs" / "fidelity_notes.md"
     if notes.exists():
         lines += [notes.read_text()]
-    (ROOT / "docs" / "fidelity.md").write_text("\n".join(lines))
+    doc = ROOT / "docs" / "fidelity.md"
+    lines += fit_sections(doc.read_text() if doc.exists() else "")
+    doc.write_text("\n".join(lines))
     console.print(f"wrote {ROOT / 'docs' / 'fidelity.md'}")
 
 

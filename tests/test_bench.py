@@ -160,3 +160,39 @@ def test_burst_and_rejections_are_reported(live):
     assert m["completed"]["generation"] == 4
     assert m["rejected"]["embedding"] == 4  # 5,000 tokens > the tiny model's 4,096
     assert any("only 4 generation requests" in w for w in m["warnings"])
+
+
+def test_bench_only_one_kind_repeated_and_pinned(live, tmp_path):
+    import os
+
+    from typer.testing import CliRunner
+
+    from orthrus_real.cli import app
+
+    raw = mix(num_requests=12, workload={
+        "pools": [{"kind": "embedding", "process": "closed-loop", "clients": 3},
+                  {"kind": "generation", "process": "closed-loop", "clients": 3}],
+        "embedding_input": {"dist": "fixed", "value": 16},
+        "generation_prompt": {"dist": "fixed", "value": 16},
+        "generation_output": {"dist": "fixed", "value": 4}})
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(raw))
+    cpu = str(min(os.sched_getaffinity(0)))
+    before = os.sched_getaffinity(0)
+    try:
+        res = CliRunner().invoke(app, ["bench", str(path), "--url", live, "--only", "embedding",
+                                       "--repeat", "2", "--client-cpus", cpu, "--label",
+                                       "dedicated-1:1", "--out", str(tmp_path / "b")])
+        assert os.sched_getaffinity(0) == {int(cpu)}
+    finally:
+        os.sched_setaffinity(0, before)
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert [r["configuration"] for r in doc["runs"]] == ["dedicated-1:1"] * 2
+    for run in doc["runs"]:
+        assert run["metrics"]["completed"] == {"embedding": 12, "generation": 0}
+    spread = doc["repeats"]["throughput_rps.embedding"]
+    assert len(spread["values"]) == 2 and spread["cv"] is not None
+    assert "run-to-run CV" in res.output
+    res = CliRunner().invoke(app, ["bench", str(path), "--url", live, "--only", "vision"])
+    assert res.exit_code != 0 and "--only must be one of" in res.output

@@ -55,10 +55,18 @@ def test_validate_runs_both_sides(calibration, tiny_models, tmp_path):
                      "generation_prompt": {"dist": "fixed", "value": 16},
                      "generation_output": {"dist": "fixed", "value": 8}}}))
     out = tmp_path / "val"
+    from orthrus_sim.costmodel import save_calibration
+
+    cal = load_calibration(calibration)  # as if measured elsewhere: validate warns in one line
+    elsewhere = tmp_path / "elsewhere.json"
+    save_calibration(cal.model_copy(update={"environment": cal.environment.model_copy(
+        update={"machine": "Another CPU"})}), elsewhere)
     res = CliRunner().invoke(app, ["validate", str(path), "--model", str(model), "--embedding-adapter",
-                                   str(model / "adapter"), "--calibration", str(calibration),
+                                   str(model / "adapter"), "--calibration", str(elsewhere),
                                    "--out", str(out), "--kv-cache-tokens", "8192"])
     assert res.exit_code == 0, res.output
+    assert "warning: calibration elsewhere.json was measured on another machine" in \
+        " ".join(res.output.split())
     rows = json.loads((out / "comparison.json").read_text())
     tput = next(r for r in rows if r["metric"] == "throughput_rps.combined")
     assert tput["simulated"] > 0 and tput["measured"] > 0 and tput["relative_error"] is not None
@@ -77,3 +85,33 @@ def test_validate_refuses_multi_device_configurations(calibration, tiny_models, 
     res = CliRunner().invoke(app, ["validate", str(path), "--model", str(tiny_models["llama"]),
                                    "--calibration", str(calibration)])
     assert res.exit_code == 2 and "several devices" in res.output
+
+
+def test_calibration_records_its_machine_and_validate_bench_warn_elsewhere(calibration, tiny_models,
+                                                                           tmp_path):
+    from orthrus_real.device import environment_check
+    from orthrus_sim.costmodel import save_calibration
+    from orthrus_sim.machine import this_machine
+
+    cal = load_calibration(calibration)
+    here = this_machine()
+    env = cal.environment
+    assert env.machine == here["machine"] and env.cpu_flags == here["cpu_flags"]
+    assert env.dtype in ("float32", "bfloat16") and env.engine == "torch"
+    assert env.engine_version.startswith("torch ")
+    model = str(tiny_models["llama"])
+    assert environment_check(str(calibration), model) is None  # the same machine, the same dtype
+    other = tmp_path / "other.json"
+    save_calibration(cal.model_copy(update={"environment": env.model_copy(update={
+        "machine": "Some Other CPU", "dtype": "float16"})}), other)
+    line = environment_check(str(other), model)
+    assert line and "Some Other CPU" in line and "dtype float16 there" in line
+    # validate and bench say it in one line
+    res = CliRunner().invoke(app, ["validate", str(tmp_path / "missing.yaml"), "--model", model,
+                                   "--calibration", str(other)])
+    assert res.exit_code != 0  # the scenario is checked first
+    res = CliRunner().invoke(app, ["bench", "quickstart", "--url", "http://127.0.0.1:9",
+                                   "--calibration", str(other), "--set", "duration_s=2",
+                                   "--set", "warmup_s=0", "--out", str(tmp_path / "b")])
+    assert "warning:" in res.output and "Some Other CPU" in res.output
+    assert res.exit_code == 1  # nothing listens there

@@ -26,6 +26,7 @@ from scipy.optimize import least_squares
 
 from orthrus_sim.costmodel.coefficients import Coefficients, OpCoeffs, default_ops
 from orthrus_sim.costmodel.cost import CostModel
+from orthrus_sim.costmodel.factors import CostFactors
 from orthrus_sim.costmodel.hardware import Hardware
 from orthrus_sim.costmodel.operators import ATTENTION_OPS, ELEMENTWISE_OPS, LINEAR_OPS, OPERATORS
 from orthrus_sim.costmodel.shape import BatchShape
@@ -64,6 +65,64 @@ class FitErrorModel(BaseModel):
     detail: dict[str, float] = {}
 
 
+class CostFactorsModel(BaseModel):
+    """``CostFactors`` (orthrus_sim/costmodel/factors.py; docs/fitting.md): neutral by default."""
+    model_config = ConfigDict(extra="forbid")
+    embedding_scale: float = Field(default=1.0, gt=0)
+    prefill_scale: float = Field(default=1.0, gt=0)
+    decode_scale: float = Field(default=1.0, gt=0)
+    overlap: float = Field(default=1.0, ge=0)
+    embedding_overhead_s: float = Field(default=0.0, ge=0)
+    generation_overhead_s: float = Field(default=0.0, ge=0)
+
+
+class EnvironmentModel(BaseModel):
+    """Where the calibration's measurements were made (``orthrus_sim.costmodel.machine``)."""
+    model_config = ConfigDict(extra="forbid")
+    machine: str | None = Field(default=None, description="CPU model name, or the GPU's name "
+                                "(None: not recorded; the flags are compared alone)")
+    cpu_flags: list[str] = Field(default_factory=list, description="the CPU's vector/matrix "
+                                 "flags that decide kernel speed (avx2, avx512f, avx512_bf16, amx)")
+    gpu: str | None = None
+    dtype: str | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    threads: int | None = None
+
+
+class FactorParameterModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    value: float
+    prior: float
+    bounds: tuple[float, float]
+    status: Literal["fitted", "undetermined", "fixed"]
+    sensitivity: float = Field(description="largest relative change of a measured metric when "
+                               "the parameter moves across its bounds (the rest at the fit)")
+    standard_error: float | None = Field(default=None, description="fitted ones: from the "
+                                         "Jacobian and the residuals' scatter")
+
+
+class ResidualModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    configuration: str
+    metric: str
+    measured: float
+    simulated: float | None
+    residual: float | None = Field(description="simulated / measured - 1")
+
+
+class FactorFitModel(BaseModel):
+    """How ``orthrus-sim fit`` arrived at the factors: what it was fitted to, and how well."""
+    model_config = ConfigDict(extra="forbid")
+    scenario: str
+    measured: list[str]
+    prior: str | None = Field(default=None, description="the calibration the factors scale")
+    parameters: dict[str, FactorParameterModel]
+    residuals: list[ResidualModel]
+    rms_residual: float
+    evaluations: int
+
+
 class CalibrationFile(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     schema_: Literal["orthrus.calibration/1"] = Field(alias="schema")
@@ -73,6 +132,13 @@ class CalibrationFile(BaseModel):
     source: SourceModel
     fit_error: FitErrorModel
     created: str = ""
+    environment: EnvironmentModel | None = None
+    factors: CostFactorsModel | None = None
+    factor_fit: FactorFitModel | None = None
+
+    def cost_factors(self) -> CostFactors | None:
+        """The fitted cost factors, or None (a calibration without them: neutral)."""
+        return CostFactors(**self.factors.model_dump()) if self.factors else None
 
     def to_coefficients(self) -> Coefficients:
         ops = default_ops()
@@ -114,7 +180,14 @@ def load_calibration(path: str | Path) -> CalibrationFile:
 
 def save_calibration(cal: CalibrationFile, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(cal.model_dump(by_alias=True), indent=2) + "\n")
+    doc = cal.model_dump(by_alias=True)
+    for key in OPTIONAL_SECTIONS:  # absent rather than null: older readers see the same file
+        if doc.get(key) is None:
+            doc.pop(key, None)
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+OPTIONAL_SECTIONS = ("environment", "factors", "factor_fit")
 
 
 def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:

@@ -66,6 +66,11 @@ def coefficients(scenario: Scenario) -> Coefficients:
     return Coefficients()
 
 
+def cost_factors(scenario: Scenario):
+    """The calibration's fitted ``CostFactors`` (None: none, the cost model as calibrated)."""
+    return load_calibration(scenario.calibration).cost_factors() if scenario.calibration else None
+
+
 def embedding_lora(scenario: Scenario) -> LoRASpec | None:
     e = scenario.embedding
     return LoRASpec(e.lora_rank, tuple(e.lora_targets)) if e.lora_rank else None

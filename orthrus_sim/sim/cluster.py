@@ -7,9 +7,10 @@ from collections.abc import Callable
 import simpy
 
 from orthrus_sim.costmodel import CostModelPredictor, get_hardware, get_model
+from orthrus_sim.costmodel.factors import apply_factors
 from orthrus_sim.engine.registry import make_policy
 from orthrus_sim.engine.request import Request, RequestState
-from orthrus_sim.experiment.plan import coefficients, plan_configuration
+from orthrus_sim.experiment.plan import coefficients, cost_factors, plan_configuration
 from orthrus_sim.experiment.routing import make_router
 from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.replica import Replica
@@ -28,18 +29,19 @@ class Cluster:
         self.plans = plan_configuration(scenario, name)
         self.hardware = get_hardware(scenario.hardware)
         coeffs = coefficients(scenario)
+        factors = cost_factors(scenario)
 
         def cost(plan):
             if cost_factory is not None:  # tests replace the roofline
                 return cost_factory(plan.model, plan.lora)
-            return plan.cost_model(self.hardware, coeffs)
+            return apply_factors(plan.cost_model(self.hardware, coeffs), factors)
 
         def replica(i, plan):
             model = cost(plan)
             # an iteration-time target is predicted by the very cost model the replica runs on
             predictor = CostModelPredictor(model) if plan.config.tpot_target_s is not None else None
             return Replica(env, i, plan.role, make_policy(plan.policy, plan.config, predictor),
-                           model, self._on_leave, fast_forward)
+                           model, self._on_leave, fast_forward, factors)
 
         self.replicas = [replica(i, plan) for i, plan in enumerate(self.plans)]
         unified = self.plans[0].config if self.plans else None

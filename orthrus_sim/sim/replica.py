@@ -19,7 +19,7 @@ import simpy
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine.decode_run import complete_decode_run, steady_decode_phases
 from orthrus_sim.engine.policy import Policy
-from orthrus_sim.engine.request import Request
+from orthrus_sim.engine.request import Request, RequestKind
 
 
 @dataclass
@@ -66,7 +66,8 @@ def _fire(event: simpy.Event) -> Callable[[simpy.Event], None]:
 
 class Replica:
     def __init__(self, env: simpy.Environment, index: int, role: str, policy: Policy, cost,
-                 on_leave: Callable[[Request, Replica], None], fast_forward: bool = True) -> None:
+                 on_leave: Callable[[Request, Replica], None], fast_forward: bool = True,
+                 factors=None) -> None:
         self.env = env
         self.index = index
         self.role = role
@@ -83,9 +84,28 @@ class Replica:
         self._in_flight: tuple[float, float, BatchShape, int] | None = None
         self.outstanding_work = 0  # tokens routed here and not finished (least-work router)
         self._work: dict[str, int] = {}
+        # seconds a request spends in the server before the scheduler sees it, one at a time
+        # (``CostFactors``' per-request overheads: they occupy the server, not the device).
+        # With factors, every request passes the front end, even at 0 s: a fit moves the
+        # overheads from 0 without the simulation changing its path there
+        self._overhead = {k.value: factors.overhead_s(k.value) for k in RequestKind} \
+            if factors is not None and role != "decode" else {}
+        self._front = simpy.Resource(env, 1) if self._overhead else None
         self.process = env.process(self.run())
 
     def submit(self, request: Request) -> None:
+        if self._front is not None:
+            self.env.process(self._through_front(request))
+            return
+        self._admit(request)
+
+    def _through_front(self, request: Request):
+        with self._front.request() as slot:
+            yield slot
+            yield self.env.timeout(self._overhead[request.kind.value])
+        self._admit(request)
+
+    def _admit(self, request: Request) -> None:
         now = self.env.now
         if not self.policy.add(request, now):
             self.on_leave(request, self)

@@ -1,0 +1,152 @@
+"""Measured serving metrics to fit the simulator to: ``results.json`` files (``orthrus.results/1``)
+in which only the metrics that were measured need be present (docs/fitting.md).
+
+What ``orthrus-real bench`` and ``validate`` write is read as it is; a hand-written file needs
+only ``runs: [{configuration, metrics}]`` with a few of the fitted metrics (``FIT_METRICS``).
+A throughput of 0 or a percentile over no requests counts as not measured (a bench of one
+kind's server reports the other kind as 0), and so does a run's ``combined`` throughput when
+only one kind's is there (that server's total is not the configuration's).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from orthrus_sim.experiment.results import KINDS, PERCENTILES, SCHEMA
+from orthrus_sim.files import read_structured
+
+THROUGHPUT_KEYS = (*KINDS, "combined", "workflow")
+LATENCY_KEYS = (*KINDS, "ttft", "tpot", "workflow")
+STATS = ("mean", *PERCENTILES)
+FIT_METRICS = tuple([f"throughput_rps.{k}" for k in THROUGHPUT_KEYS]
+                    + [f"latency_s.{k}.{q}" for k in LATENCY_KEYS for q in STATS]
+                    + ["utilization.busy"])
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One measured configuration: the fitted metrics it has (dotted path -> value)."""
+
+    configuration: str
+    metrics: dict[str, float]
+    source: str
+    kind: str | None = None  # the one kind measured (a single-kind server of a split), if so
+
+
+def _number(value, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where}: expected a number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{where}: must be >= 0, got {value!r}")
+    return float(value)
+
+
+def run_metrics(metrics: dict, where: str) -> dict[str, float]:
+    """The fitted metrics of one run's ``metrics`` mapping; an unknown kind or statistic under
+    ``throughput_rps`` or ``latency_s`` is an error naming it (other sections are not fitted
+    and are left alone)."""
+    if not isinstance(metrics, dict):
+        raise ValueError(f"{where}.metrics: expected a mapping")
+    out: dict[str, float] = {}
+    thr = metrics.get("throughput_rps") or {}
+    if not isinstance(thr, dict):
+        raise ValueError(f"{where}.metrics.throughput_rps: expected a mapping of kind -> requests/s")
+    for key, value in thr.items():
+        path = f"throughput_rps.{key}"
+        if key not in THROUGHPUT_KEYS:
+            raise ValueError(f"{where}.metrics.{path}: unknown kind {key!r}; known: "
+                             f"{', '.join(THROUGHPUT_KEYS)}")
+        v = _number(value, f"{where}.metrics.{path}")
+        if v:  # 0: not measured
+            out[path] = v
+    kinds = [k for k in KINDS if f"throughput_rps.{k}" in out]
+    if 0 < len(kinds) < len(KINDS):  # one kind's server: its "combined" is not the split's
+        out.pop("throughput_rps.combined", None)
+    busy = (metrics.get("utilization") or {}).get("busy") \
+        if isinstance(metrics.get("utilization"), dict) else None
+    busy = _number(busy, f"{where}.metrics.utilization.busy")
+    if busy:  # the device's busy share: a front end that limits the server leaves it idle
+        out["utilization.busy"] = busy
+    lat = metrics.get("latency_s") or {}
+    if not isinstance(lat, dict):
+        raise ValueError(f"{where}.metrics.latency_s: expected a mapping of kind -> statistics")
+    for key, stats in lat.items():
+        if key not in LATENCY_KEYS:
+            raise ValueError(f"{where}.metrics.latency_s.{key}: unknown kind {key!r}; known: "
+                             f"{', '.join(LATENCY_KEYS)}")
+        if not isinstance(stats, dict):
+            raise ValueError(f"{where}.metrics.latency_s.{key}: expected a mapping such as "
+                             "{p50: 0.12, p99: 0.4} (seconds)")
+        if stats.get("count") == 0:
+            continue
+        for stat, value in stats.items():
+            if stat == "count":
+                continue
+            path = f"latency_s.{key}.{stat}"
+            if stat not in STATS:
+                raise ValueError(f"{where}.metrics.{path}: unknown statistic {stat!r}; known: "
+                                 f"{', '.join(STATS)}")
+            v = _number(value, f"{where}.metrics.{path}")
+            if v:
+                out[path] = v
+    return out
+
+
+def load_measured(paths: list[str | Path], patterns: list[str] | None = None) -> list[MeasuredRun]:
+    """Every run of every file, with its fitted metrics (those matching one of ``patterns``,
+    shell-style: ``latency_s.*.p50``; all by default); a run without any is an error."""
+    if not paths:
+        raise ValueError("--measured: give at least one results file")
+    runs: list[MeasuredRun] = []
+    for path in paths:
+        doc = read_structured(path, "measured results file")
+        if not isinstance(doc, dict):
+            raise ValueError(f"measured results file {path}: expected a mapping with 'runs'")
+        if doc.get("schema", SCHEMA) != SCHEMA:
+            raise ValueError(f"measured results file {path}: schema must be {SCHEMA!r}, got "
+                             f"{doc.get('schema')!r}")
+        items = doc.get("runs")
+        if not isinstance(items, list) or not items:
+            raise ValueError(f"measured results file {path}: 'runs' must be a non-empty list of "
+                             "{configuration, metrics}")
+        for i, run in enumerate(items):
+            where = f"{path}: runs[{i}]"
+            if not isinstance(run, dict) or not isinstance(run.get("configuration"), str):
+                raise ValueError(f"{where}: needs 'configuration' (the configuration's name, "
+                                 "e.g. dedicated-1:3 or orthrus) and 'metrics'")
+            metrics = run_metrics(run.get("metrics"), where)
+            if patterns:
+                metrics = {k: v for k, v in metrics.items()
+                           if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+            if not metrics:
+                raise ValueError(f"{where}: no fitted metric is present (any of "
+                                 "throughput_rps.<kind>, latency_s.<kind>.<p50|p95|p99|mean>"
+                                 + (f", matching {', '.join(patterns)}" if patterns else "") + ")")
+            kinds = [k for k in KINDS if f"throughput_rps.{k}" in metrics
+                     or any(m.startswith(f"latency_s.{k}.") for m in metrics)]
+            runs.append(MeasuredRun(run["configuration"], metrics, str(path),
+                                    kinds[0] if len(kinds) == 1 else None))
+    return runs
+
+
+def only_kind(raw: dict, kind: str) -> dict:
+    """A scenario mapping whose load sends requests of ``kind`` only: its per-kind pools of the
+    other kind are left out (what a dedicated single-kind server is benched with)."""
+    if kind not in KINDS:
+        raise ValueError(f"--only must be one of {', '.join(KINDS)}, got {kind!r}")
+    raw = copy.deepcopy(raw)
+    pools = (raw.get("workload") or {}).get("pools")
+    if not pools or any(p.get("kind", "mixed") not in KINDS for p in pools):
+        raise ValueError("--only needs a scenario whose workload lists per-kind pools "
+                         "(workload.pools with kind: embedding / generation)")
+    kept = [p for p in pools if p.get("kind") == kind]
+    if not kept:
+        raise ValueError(f"--only {kind}: the scenario has no {kind} pool")
+    raw["workload"]["pools"] = kept
+    return raw

@@ -1,0 +1,436 @@
+"""``orthrus-sim fit``: fit the cost factors (``orthrus_sim.costmodel.factors``) to what a
+deployment measured, by simulation (docs/fitting.md).
+
+Each measured run names a configuration of the scenario; the scenario is simulated with candidate
+factors and every measured metric is compared with its simulated twin, as a log ratio. First
+each parameter's effect on the metrics is measured at the prior (finite differences, one
+simulation per parameter, in parallel through the sweep backend): a parameter whose effect is
+too small, or no more than a combination of the others' (nothing in the measurements tells
+them apart), is *undetermined*: it stays at its prior and is reported with its sensitivity,
+instead of being fitted to noise. The others are fitted with scipy's bounded least squares
+(``trf``), the Jacobian by the same parallel differences; the choice is checked again at the fit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from orthrus_sim.costmodel import load_calibration, save_calibration
+from orthrus_sim.costmodel.calibration import (
+    CalibrationFile,
+    CostFactorsModel,
+    FactorFitModel,
+    FactorParameterModel,
+    FitErrorModel,
+    ResidualModel,
+    SourceModel,
+    coefficients_model,
+)
+from orthrus_sim.costmodel.coefficients import Coefficients
+from orthrus_sim.costmodel.factors import CostFactors
+from orthrus_sim.experiment.measured import MeasuredRun
+from orthrus_sim.experiment.results import _get
+from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump
+from orthrus_sim.sweep import Point, run_local
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One fitted factor: its bounds, and how the optimiser moves it. ``log``: in log space
+    (scales); else in steps of ``unit`` (the change whose effect decides whether the
+    measurements determine it)."""
+
+    name: str
+    low: float
+    high: float
+    log: bool
+    unit: float
+    tolerance: float  # largest standard error (in z) of a parameter the measurements pin
+    meaning: str
+
+    def to_z(self, value: float) -> float:
+        return math.log(value) if self.log else value / self.unit
+
+    def from_z(self, z: float) -> float:
+        return math.exp(z) if self.log else z * self.unit
+
+    @property
+    def z_bounds(self) -> tuple[float, float]:
+        return self.to_z(self.low), self.to_z(self.high)
+
+
+PARAMETERS = (
+    Parameter("embedding_scale", 0.05, 20.0, True, 1.0, 0.05,
+              "x the device time of embedding (pooling-path) chunks"),
+    Parameter("prefill_scale", 0.05, 20.0, True, 1.0, 0.05,
+              "x the device time of generation prefill chunks"),
+    Parameter("decode_scale", 0.05, 20.0, True, 1.0, 0.05, "x the device time of decodes"),
+    Parameter("overlap", 0.0, 2.0, False, 1.0, 0.2,
+              "share of the roofline's co-batching saving a mixed iteration realises "
+              "(0: parts add up, 1: the calibration's roofline)"),
+    Parameter("embedding_overhead_s", 0.0, 0.5, False, 0.01, 0.2,
+              "seconds per embedding request in the server, outside the forward pass"),
+    Parameter("generation_overhead_s", 0.0, 0.5, False, 0.01, 0.2,
+              "seconds per generation request in the server, outside the forward pass"),
+)
+BY_NAME = {p.name: p for p in PARAMETERS}
+STEP = 0.05  # finite-difference step, in z (5 % of a scale, 0.5 ms of an overhead)
+DETERMINED = 0.05  # a unit change moving the metrics (norm of log ratios) less: undetermined
+NOISE = 0.01  # floor of the metrics' scatter (log ratio) in the standard errors
+MISSING = math.log(1e-2)  # residual when the simulation produces no value for a measured metric
+
+
+@dataclass
+class FitResult:
+    calibration: CalibrationFile
+    residuals: list[dict]
+    parameters: dict[str, dict]
+    evaluations: int
+    notes: list[str] = field(default_factory=list)
+
+
+class Evaluator:
+    """Simulates the measured configurations at given factors (cached; batches in parallel)."""
+
+    def __init__(self, scenario: Scenario, prior: CalibrationFile | None, runs: list[MeasuredRun],
+                 workers: int, tmp: Path) -> None:
+        configs = list(dict.fromkeys(r.configuration for r in runs))
+        self.raw = scenario_dump(scenario) | {"configurations": configs}
+        parse_scenario(self.raw, "fit scenario")  # every measured configuration must fit it
+        self.prior = prior
+        self.runs = runs
+        self.targets = [(r.configuration, m, v) for r in runs for m, v in r.metrics.items()]
+        self.kinds = [r.kind for r in runs for _ in r.metrics]
+        self.workers = workers
+        self.tmp = tmp
+        self.cache: dict[tuple, dict[str, dict]] = {}
+        self.scenario = scenario
+
+    def calibration(self, factors: CostFactors) -> CalibrationFile:
+        """The prior (its coefficients, hardware, environment) with ``factors``."""
+        base = self.prior or default_calibration(self.scenario)
+        return base.model_copy(update={"factors": CostFactorsModel(**factors.as_dict())})
+
+    def simulate(self, batch: list[CostFactors]) -> list[dict[str, dict]]:
+        """``{configuration: metrics}`` at each of the factors."""
+        todo = []
+        for f in batch:
+            key = tuple(f.as_dict().values())
+            if key in self.cache or any(k == key for k, _ in todo):
+                continue
+            digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            path = self.tmp / f"cal-{digest}.json"
+            save_calibration(self.calibration(f), path)
+            todo.append((key, Point(digest, {}, self.raw | {"calibration": str(path)})))
+        if todo:
+            by_name = {p.name: key for key, p in todo}
+            for outcome in run_local([p for _, p in todo], max(1, min(self.workers, len(todo)))):
+                if outcome.error:
+                    raise RuntimeError(f"fit: a simulation failed: {outcome.error}")
+                self.cache[by_name[outcome.point.name]] = {
+                    r["configuration"]: r["metrics"] for r in outcome.doc["runs"]}
+        return [self.cache[tuple(f.as_dict().values())] for f in batch]
+
+    def simulated(self, sims: dict[str, dict]) -> list[float | None]:
+        return [_value(sims[cfg], metric, kind)
+                for (cfg, metric, _), kind in zip(self.targets, self.kinds)]
+
+    def residuals(self, sims: dict[str, dict]) -> np.ndarray:
+        out = []
+        for (_, _, measured), s in zip(self.targets, self.simulated(sims)):
+            out.append(math.log(s / measured) if s else MISSING)
+        return np.array(out)
+
+
+def _value(metrics: dict, path: str, kind: str | None) -> float | None:
+    """A simulated metric; the busy share of one kind's server of a split is that of the
+    replicas of that role."""
+    if path == "utilization.busy" and kind is not None:
+        rows = [g["busy"] for g in metrics["utilization"].get("per_gpu", []) if g["role"] == kind]
+        if rows:
+            return sum(rows) / len(rows)
+    return _get(metrics, path)
+
+
+def default_calibration(scenario: Scenario) -> CalibrationFile:
+    """The roofline's defaults as a calibration (a scenario without one)."""
+    return CalibrationFile(
+        schema="orthrus.calibration/1", hardware=scenario.hardware, model=scenario.model,
+        coefficients=coefficients_model(Coefficients()),
+        source=SourceModel(description="roofline defaults (no profiling)", assumed=["all operators"]),
+        fit_error=FitErrorModel())
+
+
+def _factors(base: CostFactors, names: list[str], z: np.ndarray) -> CostFactors:
+    return replace(base, **{n: BY_NAME[n].from_z(float(v)) for n, v in zip(names, z)})
+
+
+def _steps(names: list[str], z: np.ndarray) -> np.ndarray:
+    """Forward steps, backward where a step would leave the bounds."""
+    out = np.full(len(names), STEP)
+    for i, n in enumerate(names):
+        if z[i] + STEP > BY_NAME[n].z_bounds[1]:
+            out[i] = -STEP
+    return out
+
+
+def _jacobian(ev: Evaluator, base: CostFactors, names: list[str], z: np.ndarray) -> np.ndarray:
+    steps = _steps(names, z)
+    points = [_factors(base, names, z)]
+    for i in range(len(names)):
+        zi = z.copy()
+        zi[i] += steps[i]
+        points.append(_factors(base, names, zi))
+    sims = ev.simulate(points)
+    r0 = ev.residuals(sims[0])
+    cols = [(ev.residuals(s) - r0) / steps[i] for i, s in enumerate(sims[1:])]
+    return np.column_stack(cols) if cols else np.zeros((len(r0), 0))
+
+
+def determined(jac: np.ndarray, names: list[str], limit: int) -> tuple[list[str], dict[str, float]]:
+    """The parameters the measurements tell apart: greedily by effect, each kept only if what it
+    adds beyond those kept already (the part of its column orthogonal to theirs) is at least
+    ``DETERMINED``; at most ``limit`` (the number of measured metrics). Also each one's effect."""
+    effect = {n: float(np.linalg.norm(jac[:, i])) for i, n in enumerate(names)}
+    basis: list[np.ndarray] = []
+    kept = []
+    for i in sorted(range(len(names)), key=lambda i: -effect[names[i]]):
+        col = jac[:, i].copy()
+        for q in basis:
+            col -= q * float(q @ col)
+        norm = float(np.linalg.norm(col))
+        if norm >= DETERMINED and len(kept) < limit:
+            kept.append(names[i])
+            basis.append(col / norm)
+    return [n for n in names if n in kept], effect
+
+
+def standard_errors(jac: np.ndarray, residuals: np.ndarray | None = None) -> np.ndarray:
+    """Each parameter's standard error (in z) from the Jacobian: the residuals' scatter (at
+    least ``NOISE``; only ``NOISE`` without residuals) over the part of its column the others
+    do not explain, i.e. sqrt of diag((J^T J)^-1) times the scatter; inf where that part is 0.
+
+    Without residuals it says whether the measurements *can* pin a parameter (a 1 % error in
+    every metric moves it by this much), whatever the fit's misfit."""
+    m, k = jac.shape
+    if k == 0:
+        return np.zeros(0)
+    sigma = NOISE
+    if residuals is not None:
+        sigma = math.sqrt(max(float(residuals @ residuals) / max(m - k, 1), NOISE ** 2))
+    out = np.empty(k)
+    for i in range(k):
+        col, others = jac[:, i], np.delete(jac, i, axis=1)
+        if others.shape[1]:
+            coef = np.linalg.lstsq(others, col, rcond=None)[0]
+            col = col - others @ coef
+        norm = float(np.linalg.norm(col))
+        out[i] = sigma / norm if norm > 1e-12 else math.inf
+    return out
+
+
+def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
+        fixed: dict[str, float] | None = None, progress: Callable[[str], None] | None = None,
+        max_rounds: int = 4) -> FitResult:
+    """Fit the factors of ``PARAMETERS`` (less ``fixed``: name -> value) to ``runs``.
+
+    The parameters with an effect at the prior (``determined``) are fitted, keeping only those
+    the measurements pin (``_pinned_fit``); then each parameter left out is probed at a few
+    values (``_probe``), and one that fits much better there joins the fit, from that value.
+    """
+    fixed = dict(fixed or {})
+    for name in fixed:
+        if name not in BY_NAME:
+            raise ValueError(f"--fix {name}: unknown parameter; known: {', '.join(BY_NAME)}")
+        p = BY_NAME[name]
+        if not p.low <= fixed[name] <= p.high:
+            raise ValueError(f"--fix {name}={fixed[name]}: outside its bounds [{p.low}, {p.high}]")
+    prior_cal = load_calibration(scenario.calibration) if scenario.calibration else None
+    prior = (prior_cal.cost_factors() if prior_cal else None) or CostFactors()
+    prior = replace(prior, **fixed)
+    for p in PARAMETERS:  # a prior outside the bounds (a hand-edited file) starts at the bound
+        v = getattr(prior, p.name)
+        prior = replace(prior, **{p.name: min(max(v, p.low), p.high)})
+    free = [p.name for p in PARAMETERS if p.name not in fixed]
+    say = progress or (lambda _msg: None)
+    with tempfile.TemporaryDirectory(prefix="orthrus-fit-") as tmp:
+        ev = Evaluator(scenario, prior_cal, runs, workers, Path(tmp))
+        say(f"sensitivities at the prior ({len(free) + 1} simulations)")
+        z_prior = np.array([BY_NAME[n].to_z(getattr(prior, n)) for n in free])
+        fitted, _ = determined(_jacobian(ev, prior, free, z_prior), free, len(ev.targets))
+        current, errors = prior, {}
+        probed: set[str] = set()
+        for _ in range(max_rounds):
+            current, fitted, errors = _pinned_fit(ev, prior, current, fitted, say)
+            # a parameter with no effect at its prior may still matter further out (a small
+            # per-request overhead hides behind the device's queue, a large one shows): try
+            # each once at a few values, and fit it from the best if that fits much better
+            todo = [n for n in free if n not in fitted and n not in probed]
+            probed.update(todo)
+            found = _probe(ev, current, todo, fitted, say)
+            if found is None:
+                break
+            name, value = found
+            current = replace(current, **{name: value})
+            fitted = [n for n in free if n in fitted or n == name]
+        say("sensitivity of each parameter across its bounds")
+        sensitivity = _sensitivity(ev, current)
+        sims = ev.simulate([current])[0]
+        resid_rows = []
+        for (cfg, metric, measured), s in zip(ev.targets, ev.simulated(sims)):
+            resid_rows.append({"configuration": cfg, "metric": metric, "measured": measured,
+                               "simulated": s, "residual": (s / measured - 1) if s else None})
+        params = {}
+        for p in PARAMETERS:
+            status = "fixed" if p.name in fixed else ("fitted" if p.name in fitted else "undetermined")
+            params[p.name] = {"value": getattr(current, p.name), "prior": getattr(prior, p.name),
+                              "bounds": (p.low, p.high), "status": status,
+                              "sensitivity": sensitivity[p.name]}
+            if p.name in fitted and p.name in errors:
+                se = errors[p.name]
+                params[p.name]["standard_error"] = (getattr(current, p.name) * se if p.log
+                                                    else se * p.unit)
+        logs = ev.residuals(sims)
+        rms = float(np.sqrt(np.mean(logs ** 2))) if len(logs) else 0.0
+        cal = _output(ev, current, runs, params, resid_rows, rms, scenario)
+        notes = []
+        if len(ev.targets) < len(fitted) + 1:
+            notes.append(f"{len(ev.targets)} measured metrics for {len(fitted)} fitted parameters: "
+                         "the fit reproduces them exactly and says nothing about its error")
+        return FitResult(cal, resid_rows, params, len(ev.cache), notes)
+
+
+def _pinned_fit(ev: Evaluator, prior: CostFactors, current: CostFactors, fitted: list[str],
+                say: Callable[[str], None]) -> tuple[CostFactors, list[str], dict[str, float]]:
+    """Fit ``fitted`` from ``current`` (the rest at the prior); while one is not pinned by the
+    measurements (a 1 % error in them moves it by more than its tolerance), return the worst
+    to its prior and refit the rest. Returns the fit, what stayed fitted, standard errors."""
+    fitted = list(fitted)
+    while fitted:
+        say(f"fitting {', '.join(fitted)}")
+        base = replace(prior, **{n: getattr(current, n) for n in fitted})
+        res = _least_squares(ev, base, fitted)
+        current = _factors(base, fitted, res.x)
+        jac = _jacobian(ev, current, fitted, res.x)
+        pinning = {n: float(e) for n, e in zip(fitted, standard_errors(jac))}
+        errors = {n: float(e) for n, e in zip(fitted, standard_errors(jac, res.fun))}
+        worst = max(fitted, key=lambda n: pinning[n] / BY_NAME[n].tolerance)
+        if pinning[worst] <= BY_NAME[worst].tolerance:
+            return current, fitted, errors
+        say(f"{worst} is not pinned by the measurements (a 1 % error in them moves it by "
+            f"{pinning[worst]:.3g} > {BY_NAME[worst].tolerance:g}): back to its prior")
+        fitted.remove(worst)
+        current = replace(current, **{worst: getattr(prior, worst)})
+    return prior, [], {}
+
+
+PROBE_GAIN = 0.8  # a probe is taken when its squared residuals are below this share of the fit's
+
+
+def _probe_values(p: Parameter, at: float) -> list[float]:
+    """A few values across a parameter's range (overheads log-spaced from 2 ms)."""
+    if p.log:
+        return [at * f for f in (0.25, 4.0) if p.low <= at * f <= p.high]
+    if p.name.endswith("_overhead_s"):
+        return [0.005, 0.05, 0.25]
+    return [p.low, p.high]
+
+
+def _probe(ev: Evaluator, at: CostFactors, names: list[str], fitted: list[str],
+           say: Callable[[str], None]) -> tuple[str, float] | None:
+    """The (parameter, value) that lowers the squared residuals most, if below ``PROBE_GAIN``
+    of theirs at ``at``: a brief fit of it and ``fitted`` from each of a few starting values
+    of it (a hidden parameter often trades against a fitted one, a per-request overhead
+    against a scale)."""
+    if not names:
+        return None
+    r0 = ev.residuals(ev.simulate([at])[0])
+    base = float(np.sum(r0 ** 2))
+    best, best_cost = None, PROBE_GAIN * base
+    for name in names:
+        values = _probe_values(BY_NAME[name], getattr(at, name))
+        sims = ev.simulate([replace(at, **{name: v}) for v in values])
+        if all(np.array_equal(ev.residuals(x), r0) for x in sims):
+            continue  # no effect anywhere on these measurements
+        say(f"probing {name}")
+        for value in values:
+            res = _least_squares(ev, replace(at, **{name: value}), [*fitted, name], max_nfev=4)
+            if 2 * res.cost < best_cost:
+                best, best_cost = (name, BY_NAME[name].from_z(float(res.x[-1]))), 2 * res.cost
+    if best is not None:
+        say(f"{best[0]} = {best[1]:.4g} fits better: fitting it too")
+    return best
+
+
+def _least_squares(ev: Evaluator, base: CostFactors, names: list[str], max_nfev: int = 30):
+    """Bounded least squares over ``names`` from ``base``, log-ratio residuals."""
+    z0 = np.array([BY_NAME[n].to_z(getattr(base, n)) for n in names])
+    lo = np.array([BY_NAME[n].z_bounds[0] for n in names])
+    hi = np.array([BY_NAME[n].z_bounds[1] for n in names])
+    return least_squares(
+        lambda z: ev.residuals(ev.simulate([_factors(base, names, z)])[0]), z0,
+        jac=lambda z: _jacobian(ev, base, names, z), bounds=(lo, hi), method="trf",
+        x_scale=1.0, xtol=1e-4, ftol=1e-6, gtol=1e-8, max_nfev=max_nfev)
+
+
+def _sensitivity(ev: Evaluator, at: CostFactors) -> dict[str, float]:
+    """Per parameter: the largest relative change of a measured metric with the parameter at
+    its lower or upper bound (the others at ``at``)."""
+    points = [at]
+    for p in PARAMETERS:
+        points += [replace(at, **{p.name: p.low}), replace(at, **{p.name: p.high})]
+    sims = ev.simulate(points)
+    base = ev.simulated(sims[0])
+    out = {}
+    for i, p in enumerate(PARAMETERS):
+        worst = 0.0
+        for s in sims[1 + 2 * i: 3 + 2 * i]:
+            for b, v in zip(base, ev.simulated(s)):
+                if b and v:
+                    worst = max(worst, abs(v / b - 1))
+                elif b or v:
+                    worst = math.inf
+        out[p.name] = worst
+    return out
+
+
+def _output(ev: Evaluator, factors: CostFactors, runs: list[MeasuredRun], params: dict,
+            resid_rows: list[dict], rms: float, scenario: Scenario) -> CalibrationFile:
+    base = ev.calibration(factors)
+    fit_doc = FactorFitModel(
+        scenario=scenario.name, measured=list(dict.fromkeys(r.source for r in runs)),
+        prior=_shown(scenario.calibration),
+        parameters={k: FactorParameterModel(
+            **{**v, "sensitivity": v["sensitivity"] if math.isfinite(v["sensitivity"]) else 1e9})
+            for k, v in params.items()},
+        residuals=[ResidualModel(**r) for r in resid_rows], rms_residual=rms,
+        evaluations=len(ev.cache))
+    return base.model_copy(update={"factor_fit": fit_doc,
+                                   "created": datetime.date.today().isoformat()})
+
+
+def _shown(path: str | None) -> str | None:
+    """A path as recorded: relative to the current folder when inside it."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return path
+
+
+def fit_json(result: FitResult) -> str:
+    """The report as JSON (``--format json``)."""
+    return json.dumps({"parameters": result.parameters, "residuals": result.residuals,
+                       "evaluations": result.evaluations, "notes": result.notes}, indent=2,
+                      default=str)

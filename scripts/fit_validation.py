@@ -1,0 +1,309 @@
+"""Fit on the baselines, predict the treatment: the workflow docs/fitting.md recommends, checked
+against measurement on this machine (docs/fidelity.md, "Fit on baselines, predict the treatment").
+
+For each mix (embedding:generation closed-loop clients of `scenarios/fit_cpu.yaml`):
+
+1. measure the baselines a team runs today: a dedicated embedding-only server (the base model,
+   atomic embeddings) and a dedicated generation server, each alone on the engine's CPUs, benched
+   with its kind's pool (`bench --only KIND`, label dedicated-1:1);
+2. fit the cost factors on those two runs alone (`orthrus-sim fit`, configuration dedicated-1:1);
+3. predict the co-served configurations (Orthrus and the unified baselines, one device) with the
+   fitted calibration, and with the prior calibration for contrast;
+4. measure those configurations on the same engine and compare: targets throughput within 10 %
+   and p50 latency within 20 %.
+
+Engines: `--backend torch` (the PyTorch engine: baselines and treatment alike) or `--backend vllm`
+(baselines on stock `vllm serve`, an engine this project did not write; the treatment on the
+Orthrus plug-in, `serve --backend vllm`; run from the vLLM environment with LD_PRELOAD set as the
+README says). The server runs on `--engine-cpus` and this client on `--client-cpus` (default 1
+and 0: apart), the same arrangement for every run.
+
+Run: python scripts/fit_validation.py [--backend torch|vllm] [--duration 60] [--warmup 10]
+     [--mixes 9:1,5:5,1:9] [--clients 16] [--repeat N] [--model DIR] [--write-docs]
+     [--note TEXT] [--tables-only]
+Results: OUT/<mix>/<server>/results.json (every bench), OUT/<mix>/fitted.json (the fit),
+OUT/summary-BACKEND.json and OUT/table-BACKEND.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from orthrus_real.bench import mean_metrics, spread
+from orthrus_real.device import parse_cpus, pin_process
+from orthrus_real.validate import _free_port, compare, mape_summary, serve_and_bench
+from orthrus_sim.costmodel import save_calibration
+from orthrus_sim.experiment.measured import load_measured, only_kind
+from orthrus_sim.experiment.results import results_doc, write_json
+from orthrus_sim.experiment.scenario import parse_scenario, read_scenario, scenario_dump
+from orthrus_sim.fit import fit
+from orthrus_sim.machine import this_machine
+from orthrus_sim.sim.run import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIO = ROOT / "scenarios" / "fit_cpu.yaml"
+MIXES = {"9:1": 0.9, "5:5": 0.5, "1:9": 0.1}  # embedding share of the clients
+TREATMENT = ("orthrus", "unified-hetero", "unified-homo")
+KV_TOKENS = 32768
+TARGETS = {"throughput": 0.10, "p50": 0.20}
+COMPARED = [("throughput_rps.embedding", "throughput"), ("throughput_rps.generation", "throughput"),
+            ("latency_s.embedding.p50", "p50"), ("latency_s.generation.p50", "p50"),
+            ("latency_s.ttft.p50", "p50"), ("latency_s.tpot.p50", "p50")]
+FIT_METRICS = ["throughput_rps.embedding", "throughput_rps.generation", "utilization.busy",
+               "latency_s.*.p50",
+               "latency_s.*.p95"]
+START = "<!-- fit-validation: written by scripts/fit_validation.py -->"
+END = "<!-- /fit-validation -->"
+
+
+def mix_raw(model: Path, share: float, clients: int, duration: float, warmup: float,
+            calibration: str) -> dict:
+    raw = read_scenario(SCENARIO)
+    emb = min(clients - 1, max(1, round(clients * share)))
+    raw.update(model=str(model), duration_s=duration, warmup_s=warmup, calibration=calibration)
+    for pool in raw["workload"]["pools"]:
+        pool["clients"] = emb if pool["kind"] == "embedding" else clients - emb
+    return raw
+
+
+def serve_command(args, port: int, role: str, scenario_file: Path | None = None,
+                  configuration: str | None = None) -> tuple[list[str], dict]:
+    """The server of a baseline (``embedding``/``generation``) or of the treatment (``unified``),
+    and the environment it needs."""
+    env = dict(os.environ)
+    sched = ["--token-budget", "2048", "--max-num-seqs", "256"]
+    if args.backend == "vllm" and args.engine_cpus:  # the vLLM worker's OpenMP team
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.engine_cpus
+    if args.backend == "vllm" and role != "unified":  # stock vLLM
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vllm-cpu's `vllm` command looks up the metadata of a package named vllm and fails:
+        # its API server module is the same server
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(args.model), "--port", str(port), "--max-num-seqs", "256",
+               "--max-num-batched-tokens", "2048", "--max-model-len", "2048"]
+        if role == "embedding":
+            cmd += ["--runner", "pooling", "--convert", "embed",
+                    "--pooler-config", json.dumps({"pooling_type": "MEAN", "use_activation": False})]
+        if args.engine_cpus:
+            cmd = ["taskset", "-c", args.engine_cpus] + cmd
+        return cmd, env
+    cmd = [sys.executable, "-m", "orthrus_real.cli", "serve", "--model", str(args.model),
+           "--port", str(port), "--kv-cache-tokens", str(KV_TOKENS), "--max-queued", "100000",
+           "--backend", args.backend]
+    if args.engine_cpus:
+        cmd += ["--cpus", args.engine_cpus]
+    if role == "embedding":
+        cmd += ["--policy", "embedding-only", "--chunk-size", "none", *sched]
+    elif role == "generation":
+        cmd += ["--policy", "generation", "--chunk-size", "none", *sched]
+    else:
+        cmd += ["--scenario", str(scenario_file), "--configuration", configuration,
+                "--embedding-adapter", str(args.model / "adapter")]
+    return cmd, env
+
+
+def measure(args, role: str, raw: dict, label: str, out: Path, configuration: str | None = None) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    scenario_file = out / "scenario.yaml"
+    scenario_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+    sc = parse_scenario(raw, str(scenario_file))
+    port = _free_port()
+    cmd, env = serve_command(args, port, role, scenario_file, configuration)
+    runs = serve_and_bench(cmd, port, sc, label, out / "server.log", start_timeout=300.0, env=env,
+                           repeat=args.repeat)
+    doc = results_doc(scenario_dump(sc), runs)
+    if len(runs) > 1:
+        doc["repeats"] = spread(runs)
+    write_json(doc, out / "results.json")
+    return {"configuration": label, "metrics": mean_metrics(runs), "spread": doc.get("repeats", {})}
+
+
+def one_mix(args, mix: str, share: float, console: Console) -> dict:
+    base = args.out / mix.replace(":", "-")
+    if base.exists():
+        shutil.rmtree(base)
+    raw = mix_raw(args.model, share, args.clients, args.duration, args.warmup, args.calibration)
+    measured_files = []
+    spreads = {}
+    for kind in ("embedding", "generation"):
+        console.print(f"mix {mix}: measuring the dedicated {kind} server ({args.duration:.0f} s)")
+        got = measure(args, kind, only_kind(raw, kind), "dedicated-1:1", base / f"dedicated-{kind}")
+        spreads[f"dedicated {kind}"] = got["spread"]
+        measured_files.append(base / f"dedicated-{kind}" / "results.json")
+    console.print(f"mix {mix}: fitting on the baselines")
+    result = fit(parse_scenario(raw, "fit scenario"), load_measured(measured_files, FIT_METRICS),
+                 workers=args.workers)
+    fitted = base / "fitted.json"
+    save_calibration(result.calibration, fitted)
+    treatment = raw | {"configurations": list(args.configurations),
+                       "cluster": {**raw.get("cluster", {}), "gpus": 1}}
+    predicted, prior, measured = [], [], []
+    for cfg in args.configurations:
+        fitted_sc = parse_scenario(treatment | {"calibration": str(fitted)}, "prediction")
+        predicted.append({"configuration": cfg, "metrics": simulate(fitted_sc, cfg).metrics})
+        prior.append({"configuration": cfg,
+                      "metrics": simulate(parse_scenario(treatment, "prior"), cfg).metrics})
+    for cfg in args.configurations:
+        console.print(f"mix {mix}: measuring {cfg} ({args.duration:.0f} s)")
+        measured.append(measure(args, "unified", treatment, cfg, base / cfg.replace(":", "_"), cfg))
+        spreads[cfg] = measured[-1].pop("spread")
+    return {"mix": mix, "spread": spreads, "fit": {k: {kk: vv for kk, vv in v.items() if kk != "bounds"}
+                                for k, v in result.parameters.items()},
+            "fit_residuals": result.residuals, "predicted": compare(predicted, measured),
+            "prior": compare(prior, measured)}
+
+
+def table_lines(results: list[dict], args, wall: float) -> list[str]:
+    machine = this_machine()
+    engine = ("the PyTorch engine (baselines and treatment)" if args.backend == "torch" else
+              "stock vLLM's OpenAI server (baselines) and the Orthrus vLLM plug-in (treatment)")
+    lines = [
+        START, "", f"## Fit on baselines, predict the treatment ({args.backend})", "",
+        f"Generated by `python scripts/fit_validation.py --backend {args.backend} --duration "
+        f"{args.duration:.0f} --warmup {args.warmup:.0f} --clients {args.clients} --repeat "
+        f"{args.repeat} --mixes "
+        f"{','.join(r['mix'] for r in results)}` on {datetime.date.today().isoformat()} "
+        f"({wall:.0f} s), machine {machine['machine']} ({', '.join(machine['cpu_flags'])}), "
+        f"engine on CPUs {args.engine_cpus or 'all'}, client on {args.client_cpus or 'all'}; "
+        f"engine: {engine}. For each mix the cost factors were fitted on the two dedicated "
+        "servers alone, then Orthrus and the unified baselines were predicted and measured. "
+        "Cells: (predicted - measured) / measured with the fitted calibration, and in brackets "
+        "with the prior calibration (no fit). Targets: throughput within 10 %, p50 within 20 %; "
+        "**bold** misses." + (f" {args.note}" if getattr(args, "note", None) else ""), ""]
+    head = ["mix", "configuration", "emb tput", "gen tput", "emb p50", "gen p50", "TTFT p50",
+            "TPOT p50"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    met = total = 0
+    for r in results:
+        for cfg in args.configurations:
+            cells = []
+            for metric, target in COMPARED:
+                err, perr = (next(x["relative_error"] for x in r[side]
+                                  if x["configuration"] == cfg and x["metric"] == metric)
+                             for side in ("predicted", "prior"))
+                if err is None:
+                    cells.append("-")
+                    continue
+                text = f"{err:+.1%}"
+                total += 1
+                if abs(err) > TARGETS[target]:
+                    text = f"**{text}**"
+                else:
+                    met += 1
+                cells.append(text + (f" ({perr:+.0%})" if perr is not None else ""))
+            lines.append(f"| {r['mix']} | {cfg} | " + " | ".join(cells) + " |")
+    fitted_rows = [x for r in results for x in r["predicted"]]
+    prior_rows = [x for r in results for x in r["prior"]]
+    lines += ["", f"{met} of {total} cells meet their target."]
+    for name, rows in (("fitted", fitted_rows), ("prior", prior_rows)):
+        m = mape_summary(rows)
+        lines.append(f"MAPE with the {name} calibration: " + ", ".join(
+            f"{k} {v['mape']:.1%} ({v['cells']} cells)" for k, v in m.items() if v["mape"] is not None)
+            + ".")
+    if args.repeat > 1:
+        lines += ["", f"Run-to-run spread (coefficient of variation over {args.repeat} repeated "
+                  "benches of each server; the cells compare with their mean):", ""]
+        for r in results:
+            for server, sp in r["spread"].items():
+                lines.append(f"* {r['mix']} {server}: " + ", ".join(
+                    f"{k} {v['cv']:.1%}" for k, v in sp.items() if v["cv"] is not None))
+    lines += ["", "Fitted factors per mix (status: fitted, or undetermined: left at the prior):", "",
+              "| mix | " + " | ".join(results[0]["fit"]) + " |", "|" + "---|" * (len(results[0]["fit"]) + 1)]
+    for r in results:
+        lines.append(f"| {r['mix']} | " + " | ".join(
+            f"{v['value']:.3g} ({v['status']})" for v in r["fit"].values()) + " |")
+    lines += ["", END]
+    return lines
+
+
+def write_docs(lines: list[str], backend: str) -> Path:
+    """Replace this backend's section of docs/fidelity.md (or append it)."""
+    path = ROOT / "docs" / "fidelity.md"
+    text = path.read_text()
+    marker = f"## Fit on baselines, predict the treatment ({backend})"
+    block = "\n".join(lines)
+    start = 0
+    while (i := text.find(START, start)) >= 0:
+        j = text.find(END, i)
+        if j < 0:
+            break
+        if marker in text[i:j]:
+            path.write_text(text[:i] + block + text[j + len(END):])
+            return path
+        start = j
+    path.write_text(text.rstrip("\n") + "\n\n" + block + "\n")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="torch", choices=("torch", "vllm"))
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--mixes", default="9:1,5:5,1:9")
+    parser.add_argument("--clients", type=int, default=16, help="closed-loop clients of a mix")
+    parser.add_argument("--configurations", default=",".join(TREATMENT))
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "small")
+    parser.add_argument("--calibration", default=None, help="the prior (default: the backend's "
+                        "shipped CPU calibration)")
+    parser.add_argument("--engine-cpus", default="1", help="'' for no pinning")
+    parser.add_argument("--client-cpus", default="0", help="'' for no pinning")
+    parser.add_argument("--workers", type=int, default=1, help="parallel simulations of the fit")
+    parser.add_argument("--repeat", type=int, default=1, help="benches of each server (the fit "
+                        "sees every run; the comparison their mean; the spread is reported)")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "fit_validation")
+    parser.add_argument("--write-docs", action="store_true", help="update docs/fidelity.md")
+    parser.add_argument("--note", default=None, help="a caveat printed with the table")
+    parser.add_argument("--tables-only", action="store_true", help="measure nothing: the tables "
+                        "from OUT/summary-BACKEND.json of an earlier run")
+    args = parser.parse_args()
+    args.configurations = [c for c in args.configurations.split(",") if c]
+    args.calibration = args.calibration or str(
+        ROOT / "calibration" / ("cpu-2core-small-vllm.json" if args.backend == "vllm"
+                                else "cpu-2core-small.json"))
+    console = Console()
+    if not (args.model / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "orthrus_real.cli", "init-model", str(args.model),
+                        "--size", "small", "--adapter-rank", "16"], check=True)
+    parse_cpus(args.engine_cpus, "--engine-cpus")
+    pin_process(parse_cpus(args.client_cpus, "--client-cpus"))
+    summary = args.out / f"summary-{args.backend}.json"
+    if args.tables_only:  # the tables again from the stored results (same arguments)
+        stored = json.loads(summary.read_text())
+        results, wall = stored["mixes"], stored["wall_s"]
+    else:
+        started = time.time()
+        results = []
+        for mix in args.mixes.split(","):
+            if mix not in MIXES:
+                raise SystemExit(f"--mixes: unknown mix {mix!r}; known: {', '.join(MIXES)}")
+            results.append(one_mix(args, mix, MIXES[mix], console))
+        wall = time.time() - started
+        args.out.mkdir(parents=True, exist_ok=True)
+        summary.write_text(json.dumps({"mixes": results, "wall_s": wall}, indent=2) + "\n")
+    lines = table_lines(results, args, wall)
+    (args.out / f"table-{args.backend}.md").write_text("\n".join(lines) + "\n")
+    console.print("\n".join(lines), markup=False, highlight=False)
+    if args.write_docs:
+        console.print(f"wrote {write_docs(lines, args.backend)}")
+    table = Table(title="done")
+    table.add_column("results")
+    table.add_row(str(args.out))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""orthrus-sim fit: cost factors recovered from a simulated ground truth, a hand-written minimal
+measured file, undetermined parameters, and the calibration-provenance warnings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from orthrus_sim.cli import app
+from orthrus_sim.costmodel import load_calibration, save_calibration
+from orthrus_sim.costmodel.calibration import CostFactorsModel, EnvironmentModel
+from orthrus_sim.costmodel.factors import CostFactors, FactoredCostModel
+from orthrus_sim.experiment.measured import load_measured, only_kind
+from orthrus_sim.experiment.scenario import parse_scenario
+from orthrus_sim.fit import fit
+from orthrus_sim.machine import environment_warning, this_machine
+from orthrus_sim.sim.run import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+PRIOR = ROOT / "calibration" / "cpu-2core-small.json"
+
+
+def scenario_raw(calibration: Path = PRIOR, gen_clients: int = 4) -> dict:
+    return {
+        "name": "fit-test", "seed": 3, "duration_s": 20, "warmup_s": 4,
+        "hardware": "cpu-2core", "model": "orthrus-small", "calibration": str(calibration),
+        "cluster": {"gpus": 2},
+        "scheduler": {"token_budget": 2048, "chunk_size": 512, "max_num_seqs": 64},
+        "workload": {
+            "pools": [{"kind": "embedding", "process": "closed-loop", "clients": 4},
+                      {"kind": "generation", "process": "closed-loop", "clients": gen_clients}],
+            "embedding_input": {"dist": "uniform", "low": 64, "high": 256},
+            "generation_prompt": {"dist": "fixed", "value": 128},
+            "generation_output": {"dist": "uniform", "low": 16, "high": 64}},
+        "configurations": ["dedicated-1:1"],
+    }
+
+
+def with_factors(tmp_path: Path, **factors) -> Path:
+    cal = load_calibration(PRIOR)
+    path = tmp_path / "truth.json"
+    save_calibration(cal.model_copy(update={"factors": CostFactorsModel(**factors)}), path)
+    return path
+
+
+def test_neutral_factors_leave_the_cost_model_alone():
+    from orthrus_sim.costmodel import CostModel, LoRASpec, get_hardware, get_model
+    from orthrus_sim.costmodel.shape import BatchShape
+
+    base = CostModel(get_hardware("cpu-2core"), get_model("orthrus-small"), lora=LoRASpec(16))
+    wrapped = FactoredCostModel(base, CostFactors())
+    shape = BatchShape.from_items([(0, 200, 0), (1, 128, 0, True)]
+                                  + [(2, 1, 100)] * 8)
+    assert wrapped.shape_time(shape) == pytest.approx(base.shape_time(shape), rel=1e-9)
+    serial = FactoredCostModel(base, CostFactors(overlap=0.0)).shape_time(shape)
+    assert serial > base.shape_time(shape)  # no co-batching gain: the parts add up
+    decode = BatchShape.from_items([(2, 1, 100)] * 8)
+    assert FactoredCostModel(base, CostFactors(decode_scale=2.0)).shape_time(decode) == \
+        pytest.approx(2 * base.shape_time(decode))
+    with pytest.raises(ValueError, match="embedding_scale"):
+        CostFactors(embedding_scale=0.0)
+
+
+def test_overheads_occupy_the_server_not_the_device(tmp_path):
+    base = simulate(parse_scenario(scenario_raw()), "dedicated-1:1").metrics
+    slow = with_factors(tmp_path, embedding_overhead_s=0.2)
+    m = simulate(parse_scenario(scenario_raw(slow)), "dedicated-1:1").metrics
+    # one request at a time through a 0.2 s front end: at most 5 embeddings/s
+    assert m["throughput_rps"]["embedding"] <= 5.0 + 0.2 < base["throughput_rps"]["embedding"]
+    # the generation replica is untouched (up to the order of same-instant events at its front end)
+    assert m["throughput_rps"]["generation"] == pytest.approx(base["throughput_rps"]["generation"],
+                                                              rel=0.05)
+
+
+def test_fit_recovers_a_simulated_ground_truth(tmp_path):
+    truth = {"embedding_scale": 1.6, "prefill_scale": 0.8, "decode_scale": 1.3}
+    raw = scenario_raw(with_factors(tmp_path, **truth))
+    measured = simulate(parse_scenario(raw), "dedicated-1:1").metrics
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({"schema": "orthrus.results/1",
+                                "runs": [{"configuration": "dedicated-1:1", "metrics": measured}]}))
+    result = fit(parse_scenario(scenario_raw()), load_measured([path]))
+    for name, value in truth.items():
+        assert result.parameters[name]["status"] == "fitted"
+        assert result.parameters[name]["value"] == pytest.approx(value, rel=0.05), name
+    cal = result.calibration
+    assert cal.factor_fit.measured == [str(path)] and cal.factor_fit.residuals
+    assert cal.coefficients == load_calibration(PRIOR).coefficients  # the prior, scaled
+    out = tmp_path / "fitted.json"
+    save_calibration(cal, out)
+    again = simulate(parse_scenario(scenario_raw(out)), "dedicated-1:1").metrics
+    assert again["throughput_rps"]["embedding"] == pytest.approx(
+        measured["throughput_rps"]["embedding"], rel=0.05)
+
+
+MINIMAL = """\
+# a published table's figures: one dedicated embedding server
+schema: orthrus.results/1
+runs:
+  - configuration: dedicated-1:1
+    metrics:
+      throughput_rps: {embedding: 9.0}
+      latency_s: {embedding: {p50: 0.45}}
+"""
+
+
+def test_hand_written_minimal_file_fits_and_reports_undetermined(tmp_path):
+    path = tmp_path / "published.yaml"
+    path.write_text(MINIMAL)
+    res = CliRunner().invoke(app, ["fit", str(tmp_path / "sc.yaml"), "--measured", str(path),
+                                   "--out", str(tmp_path / "cal.json"), "--workers", "1"])
+    assert res.exit_code != 0 and "does not exist" in res.output
+    (tmp_path / "sc.yaml").write_text(json.dumps(scenario_raw()))
+    res = CliRunner().invoke(app, ["fit", str(tmp_path / "sc.yaml"), "--measured", str(path),
+                                   "--out", str(tmp_path / "cal.json"), "--workers", "1",
+                                   "--format", "json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output[:res.output.rindex("}") + 1])
+    params = report["parameters"]
+    assert params["embedding_scale"]["status"] == "fitted"
+    # nothing measured about generation: its factors are not fitted to noise
+    for name in ("prefill_scale", "decode_scale", "generation_overhead_s", "overlap"):
+        assert params[name]["status"] == "undetermined", name
+        assert params[name]["value"] == params[name]["prior"]
+        assert params[name]["sensitivity"] == 0.0
+    resid = {r["metric"]: r["residual"] for r in report["residuals"]}
+    assert abs(resid["throughput_rps.embedding"]) < 0.05
+    cal = load_calibration(tmp_path / "cal.json")
+    assert cal.factors.embedding_scale == pytest.approx(params["embedding_scale"]["value"])
+    assert cal.factor_fit.parameters["decode_scale"].status == "undetermined"
+    # the simulator runs the fitted calibration
+    sc = tmp_path / "fitted.yaml"
+    sc.write_text(json.dumps(scenario_raw(tmp_path / "cal.json")))
+    res = CliRunner().invoke(app, ["run", str(sc), "--out", str(tmp_path / "run"), "--workers", "1"])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"runs": []}, "non-empty list"),
+    ({"runs": [{"metrics": {}}]}, "needs 'configuration'"),
+    ({"runs": [{"configuration": "orthrus", "metrics": {"throughput_rps": {"embeddings": 3}}}]},
+     "throughput_rps.embeddings: unknown kind"),
+    ({"runs": [{"configuration": "orthrus", "metrics": {"latency_s": {"ttft": {"p90": 1}}}}]},
+     "latency_s.ttft.p90: unknown statistic"),
+    ({"runs": [{"configuration": "orthrus", "metrics": {"utilization": {"mfu": 0.3}}}]},
+     "no fitted metric"),
+    ({"schema": "other/1", "runs": []}, "schema must be"),
+])
+def test_measured_file_errors_name_the_problem(tmp_path, body, message):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(body))
+    with pytest.raises(ValueError, match=message):
+        load_measured([path])
+
+
+def test_fit_refuses_a_configuration_the_scenario_cannot_hold(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(MINIMAL.replace("dedicated-1:1", "dedicated-1:3"))
+    with pytest.raises(ValueError, match="dedicated-1:3"):
+        fit(parse_scenario(scenario_raw()), load_measured([path]))
+
+
+def test_only_kind_keeps_one_kinds_pools():
+    raw = only_kind(scenario_raw(), "embedding")
+    assert [p["kind"] for p in raw["workload"]["pools"]] == ["embedding"]
+    with pytest.raises(ValueError, match="--only"):
+        only_kind(scenario_raw(), "vision")
+
+
+# ----- where a calibration comes from ----------------------------------------------------------
+def test_environment_warning_fires_on_another_machine_or_dtype():
+    here = this_machine()
+    same = EnvironmentModel(machine=here["machine"], cpu_flags=here["cpu_flags"], dtype="float32")
+    assert environment_warning(same, here, "float32", "c.json") is None
+    assert environment_warning(None, here, "float32", "c.json") is None
+    other = same.model_copy(update={"machine": "Other CPU", "cpu_flags": ["avx2", "avx512_bf16"]})
+    line = environment_warning(other, {**here, "cpu_flags": ["avx2"]}, "float32", "c.json")
+    assert line and "\n" not in line and "Other CPU" in line and "-avx512_bf16" in line
+    line = environment_warning(same, here, "bfloat16", "c.json")
+    assert line and "dtype float32 there, bfloat16 here" in line
+    gpu = environment_warning(same.model_copy(update={"gpu": "NVIDIA A100"}), here, None, "c.json")
+    assert gpu and "NVIDIA A100" in gpu
+
+
+def test_run_warns_when_the_calibration_is_for_other_hardware(tmp_path):
+    raw = scenario_raw() | {"hardware": "a100-40gb", "duration_s": 6, "warmup_s": 1}
+    sc = tmp_path / "sc.yaml"
+    sc.write_text(json.dumps(raw))
+    res = CliRunner().invoke(app, ["run", str(sc), "--out", str(tmp_path / "o"), "--workers", "1"])
+    assert res.exit_code == 0, res.output
+    assert "made for cpu-2core, the scenario simulates a100-40gb" in res.output
+
+
+def test_one_kinds_run_drops_its_combined_throughput(tmp_path):
+    path = tmp_path / "emb.json"
+    path.write_text(json.dumps({"runs": [{"configuration": "dedicated-1:1", "metrics": {
+        "throughput_rps": {"embedding": 3.0, "generation": 0.0, "combined": 3.0},
+        "latency_s": {"generation": {"p50": None, "count": 0}, "embedding": {"p50": 0.2}}}}]}))
+    (run,) = load_measured([path])
+    assert run.metrics == {"throughput_rps.embedding": 3.0, "latency_s.embedding.p50": 0.2}
+    (run,) = load_measured([path], ["throughput_rps.*"])
+    assert run.metrics == {"throughput_rps.embedding": 3.0}
+
+
+def test_fit_validation_tables_and_docs_section(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("fit_validation", ROOT / "scripts" / "fit_validation.py")
+    fv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fv)
+    rows = [{"configuration": "orthrus", "metric": m, "simulated": 1.1, "measured": 1.0,
+             "relative_error": 0.1 if m.startswith("throughput") else 0.3} for m, _ in fv.COMPARED]
+    params = {"embedding_scale": {"value": 1.2, "status": "fitted"},
+              "overlap": {"value": 1.0, "status": "undetermined"}}
+    results = [{"mix": "5:5", "fit": params, "predicted": rows, "prior": rows}]
+    args = SimpleNamespace(backend="torch", duration=20.0, warmup=4.0, clients=8, repeat=1,
+                           configurations=["orthrus"], engine_cpus="1", client_cpus="0")
+    lines = fv.table_lines(results, args, 12.0)
+    text = "\n".join(lines)
+    assert "| 5:5 | orthrus | +10.0% (+10%) |" in text and "**+30.0%**" in text
+    assert "2 of 6 cells meet their target." in text and "MAPE with the fitted calibration" in text
+    doc = tmp_path / "docs" / "fidelity.md"
+    doc.parent.mkdir()
+    doc.write_text("# Fidelity\n\ntoday's table\n")
+    monkeypatch.setattr(fv, "ROOT", tmp_path)
+    fv.write_docs(lines, "torch")
+    fv.write_docs(lines, "torch")  # replaced, not appended twice
+    fv.write_docs([line.replace("(torch)", "(vllm)") for line in lines], "vllm")
+    out = doc.read_text()
+    assert out.startswith("# Fidelity\n\ntoday's table\n") and out.count(fv.START) == 2
+    assert out.count("(torch)") == 1 and out.count("(vllm)") == 1
+
+
+def test_documented_examples_load():
+    (run,) = load_measured([ROOT / "docs" / "examples" / "published-dedicated.yaml"])
+    assert run.configuration == "dedicated-1:3" and run.metrics == {"throughput_rps.embedding": 15.0}
+    cal = load_calibration(ROOT / "docs" / "examples" / "a100-fitted-embedding.json")
+    assert cal.cost_factors().embedding_scale == pytest.approx(7.2, rel=0.01)
+    assert cal.factor_fit.parameters["decode_scale"].status == "undetermined"
+    text = (ROOT / "docs" / "fitting.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]  # the minimal form, as documented
+    import yaml
+
+    from orthrus_sim.experiment.measured import run_metrics
+
+    doc = yaml.safe_load(block)
+    assert run_metrics(doc["runs"][0]["metrics"], "doc") == {
+        "throughput_rps.embedding": 15.2, "throughput_rps.generation": 2.1,
+        "latency_s.generation.p50": 41.0, "latency_s.ttft.p99": 0.9}
