@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -98,6 +99,7 @@ def _plots(points: list[dict], shares: list[float], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, len(shares), figsize=(5 * len(shares), 4.2), squeeze=False)
     for ax, share in zip(axes[0], shares):
@@ -111,14 +113,23 @@ def _plots(points: list[dict], shares: list[float], out: Path) -> None:
             for p in line:
                 ax.annotate(f"{p['target_x']:g}x", (p["tpot_p99_s"] * 1e3, normalised(p, ref)),
                             fontsize=7, xytext=(3, 3), textcoords="offset points")
+        spots: dict[tuple, list[str]] = {}  # baselines at one spot share one label
         for p in here:
             if p["set"] or p["tpot_p99_s"] is None:
                 continue
-            ax.plot(p["tpot_p99_s"] * 1e3, normalised(p, ref), "k^" if "dedicated" in p["configuration"]
-                    else "rx", markersize=8)
-            ax.annotate(label(p), (p["tpot_p99_s"] * 1e3, normalised(p, ref)), fontsize=7,
-                        xytext=(4, -9), textcoords="offset points")
+            x, y = p["tpot_p99_s"] * 1e3, normalised(p, ref)
+            ax.plot(x, y, "k^" if "dedicated" in p["configuration"] else "rx", markersize=8)
+            key = (round(math.log(x) * 20), round(y, 1))  # within ~5 % of each other
+            spots.setdefault(key, (x, y, []))[2].append(label(p))
+        for x, y, names in spots.values():
+            ax.annotate(" = ".join(names), (x, y), fontsize=7, xytext=(4, -9),
+                        textcoords="offset points")
         ax.set_xscale("log")
+        ticks = [t for t in (10, 15, 20, 30, 50, 70, 100, 150, 200)
+                 if min(p["tpot_p99_s"] * 1e3 for p in here if p["tpot_p99_s"]) * 0.8 <= t
+                 <= max(p["tpot_p99_s"] * 1e3 for p in here if p["tpot_p99_s"]) * 1.25]
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("generation TPOT p99 (ms, log)")
         ax.set_ylabel("normalised throughput (GPUs' worth)")
         ax.set_title(f"generation share {share}")

@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from orthrus_sim.experiment.results import KINDS, PERCENTILES, SCHEMA
+from orthrus_sim.experiment.quantiles import PERCENTILES
+from orthrus_sim.experiment.results import KINDS, SCHEMA
 from orthrus_sim.files import read_structured
 
 THROUGHPUT_KEYS = (*KINDS, "combined", "workflow")
