@@ -49,23 +49,17 @@ class Router:
                          for kind, roles in ROLES_FOR.items()}
         self._turn = {kind: itertools.count() for kind in RequestKind}
         self._handoff_turn = itertools.count()
-        self._placed: dict[str, Any] = {}
 
     def route(self, request: Request) -> Any | None:
         """The replica ``request`` goes to; None when no replica serves its kind."""
         candidates = self.eligible[request.kind]
         if not candidates:
             return None
-        replica = self._choose(request, candidates)
-        self._placed[request.request_id] = replica
-        self._placed_here(request, replica, +1)
-        return replica
+        return self._choose(request, candidates)
 
     def release(self, request: Request) -> None:
-        """``request`` left the replica it was routed to."""
-        replica = self._placed.pop(request.request_id, None)
-        if replica is not None:
-            self._placed_here(request, replica, -1)
+        """``request`` left the replica it was routed to (rules that count what they placed
+        keep their books here)."""
 
     def hand_off(self, request: Request) -> Any:
         """The decode replica a Disagg-PD prefill hands ``request`` to (by the same rule)."""
@@ -78,9 +72,6 @@ class Router:
         if self.rule == "least-work":
             return min(candidates, key=lambda r: (r.outstanding_work, r.index))
         return candidates[next(self._turn[request.kind]) % len(candidates)]
-
-    def _placed_here(self, request: Request, replica: Any, sign: int) -> None:
-        """Bookkeeping hook of rules that count what they placed."""
 
 
 @dataclass
@@ -141,9 +132,22 @@ class AdaptivePlacement(Router):
         self.target_s = target_s
         self.pack = pack
         self.load = {r.index: _Load() for r in replicas}
+        self._placed: dict[str, Any] = {}
         self.active: list[Any] = []  # the decoding side, taking new generations
         self.draining: list[Any] = []  # leaving it: no new generation until empty
         self._rates: dict[tuple[int, int, int], float] = {}
+
+    def route(self, request: Request) -> Any | None:
+        replica = super().route(request)
+        if replica is not None:
+            self._placed[request.request_id] = replica
+            self._placed_here(request, replica, +1)
+        return replica
+
+    def release(self, request: Request) -> None:
+        replica = self._placed.pop(request.request_id, None)
+        if replica is not None:
+            self._placed_here(request, replica, -1)
 
     # ----- the two sides --------------------------------------------------------------------
     def decoding(self) -> list[Any]:
