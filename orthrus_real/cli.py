@@ -78,6 +78,13 @@ def scheduler_settings(scenario: str | None, configuration: str | None, set_: li
     """The policy and ``SchedulerConfig`` to serve: from a scenario through the plan (the same
     mapping the simulator uses), or from the command-line knobs and ``--set scheduler.FIELD=V``
     (every field of ``SchedulerConfig``, its defaults the core's)."""
+    return _settings(scenario, configuration, set_, policy, token_budget, chunk_size,
+                     max_num_seqs)[:2]
+
+
+def _settings(scenario, configuration, set_, policy, token_budget=None, chunk_size=None,
+              max_num_seqs=None):
+    """``scheduler_settings`` plus the scenario's calibration (None without a scenario)."""
     from orthrus_real.settings import cli_config
 
     if scenario is None:
@@ -87,12 +94,12 @@ def scheduler_settings(scenario: str | None, configuration: str | None, set_: li
         knobs = [f"scheduler.{k}={v}" for k, v in (("token_budget", token_budget),
                                                    ("chunk_size", chunk),
                                                    ("max_num_seqs", max_num_seqs)) if v is not None]
-        return policy, cli_config(knobs + list(set_))
+        return policy, cli_config(knobs + list(set_)), None
     from orthrus_sim.experiment.plan import engine_plan
     from orthrus_sim.experiment.scenario import load_scenario
 
     sc = load_scenario(scenario, set_)
-    return engine_plan(sc, configuration or sc.configurations[0])
+    return (*engine_plan(sc, configuration or sc.configurations[0]), sc.calibration)
 
 
 KNOB_HELP = "(default: SchedulerConfig's; any field: --set scheduler.FIELD=VALUE)"
@@ -160,8 +167,9 @@ def serve(
             set_ = [*set_, f"scheduler.tpot_target_s={tpot_target}"]
         check_max_model_len(str(model), max_model_len)
         sock = bind_socket(host, port)  # before the model loads: a taken port fails at once
-        policy, sched = scheduler_settings(scenario, configuration, set_, policy, token_budget,
-                                           chunk_size, max_num_seqs)
+        policy, sched, scenario_calibration = _settings(scenario, configuration, set_, policy,
+                                                        token_budget, chunk_size, max_num_seqs)
+        calibration = calibration or scenario_calibration  # a scenario's target: its cost model
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
                              served_model_name, device, dtype, pooling, threads, backend, api_key,

@@ -177,3 +177,22 @@ def test_calibrate_warns_when_the_fit_is_poor():
     warnings = fit_warnings(cal)
     assert any("the fit is poor: held-out MAPE 75.0%" in w for w in warnings)
     assert any("decode iterations are fitted poorly" in w for w in warnings)
+
+
+def test_results_table_with_slos_fits_80_columns():
+    """Goodput joins the default columns when a scenario has SLOs; attainment waits for --wide
+    (the table fits an 80-column terminal either way)."""
+    from rich.console import Console
+
+    from orthrus_sim.experiment.results import comparison_table
+
+    m = {"throughput_rps": {"embedding": 123.45, "generation": 12.34, "combined": 135.79},
+         "output_tokens_per_s": 6543.2, "latency_s": {"embedding": {"p99": 0.123},
+                                                      "ttft": {"p99": 0.456}, "tpot": {"p99": 0.0234}},
+         "slo": {"combined": {"goodput_rps": 130.0}, "embedding": {"attainment": 0.995},
+                 "generation": {"attainment": 0.99}}, "rejected": {}, "unfinished": {}}
+    console = Console(width=80, record=True)
+    console.print(comparison_table([{"configuration": "unified-hetero", "metrics": m}], "t"))
+    text = console.export_text()
+    assert "goodput" in text and "SLO emb" not in text and "130.00" in text
+    assert "123.45" in text and "0.0234" in text  # no figure wrapped across lines

@@ -250,3 +250,35 @@ def test_simulated_target_runs_equal_stepping(router):
             assert (f[key] is None and s[key] is None) or math.isclose(
                 f[key], s[key], rel_tol=1e-9, abs_tol=1e-9)
     assert fast.metrics["latency_s"]["tpot"]["p99"] <= 0.03 * 1.05
+
+
+def test_no_progress_chunk_while_embeddings_progress():
+    """The starvation ride (PROGRESS_AFTER) is for embeddings that get nothing: while a cut
+    chunk goes every iteration, no iteration goes over the target (review finding)."""
+    pred = RooflinePredictor(fixed=0.0, per_token=0.05, weights=10.0, per_kv=0.0, per_seq=0.1)
+    cfg = SchedulerConfig(token_budget=512, chunk_size=256, tpot_target_s=20.0, min_chunk_tokens=32)
+    policy = make_policy("ibs", cfg, pred)
+    for i in range(4):
+        policy.add(Request(f"g{i}", RequestKind.GENERATION, 0.0, 4, max_output_tokens=300))
+    policy.complete(policy.schedule(0.0), 1.0)
+    for i in range(40):
+        policy.add(Request(f"e{i}", RequestKind.EMBEDDING, 1.0, 600), 1.0)
+    now, went = 1.0, 0
+    for _ in range(60):
+        batch = policy.schedule(now)
+        assert decodes_of(batch)
+        assert pred.items_time(batch.items) <= 20.0, "a progress chunk rode although embeddings progress"
+        went += sum(it.kind is ItemKind.EMBED_CHUNK for it in batch.items)
+        now += 1
+        policy.complete(batch, now)
+    assert went >= 60
+
+
+def test_adaptive_router_without_a_target_is_refused_up_front():
+    from orthrus_sim.experiment.scenario import load_scenario
+
+    with pytest.raises(ValueError, match="tpot_target_s"):
+        load_scenario("scenarios/mix_sweep.yaml", ["cluster.router=adaptive"])
+    # split placements alone route by kind: no target needed
+    load_scenario("scenarios/mix_sweep.yaml", ["cluster.router=adaptive",
+                                               "configurations=[dedicated-1:3]"])

@@ -16,7 +16,9 @@ class CostModelPredictor:
     appends items between the calls, so the batch's shape is kept and extended, not rebuilt.
     """
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost) -> None:
+        """``cost``: a ``CostModel`` (or one wrapped with fitted factors): ``shape_time`` and
+        ``lora``."""
         self.cost = cost
         self.adapter = cost.lora is not None
         self._batch: BatchUnit | None = None
@@ -43,10 +45,12 @@ def calibrated_predictor(calibration: str, model: str, lora_rank: int | None = N
     calibrate`` fitted (``calibration``: a file or shipped name) for ``model`` (a checkpoint
     directory or catalogue name) and its embedding adapter's rank."""
     from orthrus_sim.costmodel.calibration import load_calibration
+    from orthrus_sim.costmodel.factors import apply_factors
     from orthrus_sim.costmodel.hardware import get_hardware
     from orthrus_sim.costmodel.model import LoRASpec, get_model
 
     cal = load_calibration(calibration)
     cost = CostModel(get_hardware(cal.hardware), get_model(model), cal.to_coefficients(),
                      LoRASpec(lora_rank) if lora_rank else None)
-    return CostModelPredictor(cost)
+    # a calibration fitted by `orthrus-sim fit` predicts with its factors, as the simulator does
+    return CostModelPredictor(apply_factors(cost, cal.cost_factors()))

@@ -15,10 +15,10 @@ The rule (docs/scheduler.md, "Iteration-time target"):
   whole or not at all), else it does not go this iteration;
 * progress: an embedding chunk of at most ``min_chunk_tokens`` rides beside decodes that
   leave it no room (a) at once when the decodes *alone* are predicted above the target (that
-  iteration misses it whatever is added), and (b) when embedding chunks were refused for the
-  target in ``PROGRESS_AFTER`` iterations since the last progress chunk. So embeddings always
-  progress, and a decode's TPOT (a mean over its iterations) exceeds the target by at most one
-  minimum chunk's cost over ``PROGRESS_AFTER`` iterations.
+  iteration misses it whatever is added), and (b) when ``PROGRESS_AFTER`` iterations in a row
+  refused embedding chunks for the target and took none. So embeddings always progress, and
+  only while they are starved does a decode pay one minimum chunk's cost over the target, once
+  in ``PROGRESS_AFTER`` + 1 iterations; while any embedding chunk goes, the target holds.
 
 The search needs the predictor to be monotone in the chunk's length (more tokens never take less
 time), as any roofline is.
@@ -56,11 +56,18 @@ class IterationTarget:
         self.target_s = target_s
         self.min_chunk = min_chunk
         self.predictor = predictor
-        self.starved = 0  # iterations with an embedding chunk refused since the last progress chunk
+        self.starved = 0  # iterations in a row that refused embedding chunks and took none
         self._refused_in: BatchUnit | None = None
 
     def tokens_within(self, batch: BatchUnit, request: Request, kind: ItemKind, n: int) -> int:
         """How many of the ``n`` tokens ``request`` would add as one ``kind`` chunk may go."""
+        tokens = self._within(batch, request, kind, n)
+        if kind is ItemKind.EMBED_CHUNK and tokens > 0:
+            self.starved = 0  # embeddings progress: later refusals this iteration are no starving
+            self._refused_in = batch
+        return tokens
+
+    def _within(self, batch: BatchUnit, request: Request, kind: ItemKind, n: int) -> int:
         if not batch.num_decodes or n <= 0:
             return n
         predict, target, step = self.predictor.predict, self.target_s, self.min_chunk
@@ -84,9 +91,7 @@ class IterationTarget:
         if kind is ItemKind.EMBED_CHUNK:
             if self.starved >= PROGRESS_AFTER or (batch.num_decodes == len(batch.items)
                                                   and predict(batch) > target):
-                self.starved = 0  # the progress chunk
-                self._refused_in = batch
-                return min(n, step)
+                return min(n, step)  # the progress chunk
             if self._refused_in is not batch:
                 self._refused_in = batch
                 self.starved += 1
