@@ -118,15 +118,22 @@ class EngineBase:
         (``calibration``, from ``orthrus-real calibrate``)."""
         self.scheduler_config = executor_config(scheduler, num_blocks, block_size,
                                                 self._model_len(scheduler.max_model_len))
-        predictor = None
-        if scheduler.tpot_target_s is not None:
-            if calibration is None:
-                raise ValueError("--tpot-target needs --calibration FILE (the cost model "
-                                 "`orthrus-real calibrate` fitted to this engine) to predict "
-                                 "iteration times")
-            predictor = calibrated_predictor(calibration, str(self.model_dir), self.adapter_rank)
-        self.calibration = calibration
+        source = self._predictor_source(scheduler, calibration)
+        predictor = calibrated_predictor(**source) if source else None
         self.policy = make_policy(policy, self.scheduler_config, predictor)
+
+    def _predictor_source(self, scheduler: SchedulerConfig, calibration: str | None) -> dict | None:
+        """What predicts this engine's iteration times for ``tpot_target_s`` (the arguments of
+        ``calibrated_predictor``), None without a target; a target needs a calibration."""
+        self.calibration = calibration
+        if scheduler.tpot_target_s is None:
+            return None
+        if calibration is None:
+            raise ValueError("--tpot-target needs --calibration FILE (the cost model "
+                             "`orthrus-real calibrate` fitted to this engine) to predict "
+                             "iteration times")
+        return {"calibration": str(calibration), "model": str(self.model_dir),
+                "lora_rank": self.adapter_rank}
 
     def _model_len(self, wanted: int | None) -> int:
         """The length served: ``wanted`` (a scenario's, say), at most the model's (the server

@@ -60,15 +60,9 @@ class VllmEngine(EngineBase):
         # request slots of vLLM's input batch: embeddings need a cap of their own here
         base = replace(base, max_num_embeds=base.max_num_embeds or max_num_embeds)
         orthrus = to_vllm_options(base, policy)  # the whole config (issue 25: kv_admission)
-        if base.tpot_target_s is not None:
-            if calibration is None:
-                raise ValueError("--tpot-target needs --calibration FILE (the cost model "
-                                 "`orthrus-real calibrate` fitted to this engine) to predict "
-                                 "iteration times")
-            # the scheduler builds the predictor where it runs (vLLM's engine core)
-            orthrus["predictor"] = {"calibration": str(calibration), "model": str(self.model_dir),
-                                    "lora_rank": self.adapter_rank}
-        self.calibration = calibration
+        source = self._predictor_source(base, calibration)
+        if source:  # the scheduler builds the predictor where it runs (vLLM's engine core)
+            orthrus["predictor"] = source
         self.vllm_config = _vllm_config(
             model_dir=self.model_dir, dtype=str(cfg.dtype).removeprefix("torch."),
             max_model_len=self._model_len(base.max_model_len),

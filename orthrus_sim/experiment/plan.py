@@ -23,9 +23,7 @@ from orthrus_sim.costmodel import (
 )
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.registry import resolve_policy
-from orthrus_sim.experiment.scenario import Scenario, split_gpus
-
-UNIFIED = ("orthrus", "unified-hetero", "unified-homo")
+from orthrus_sim.experiment.scenario import UNIFIED, Scenario, is_unified, split_gpus
 
 
 @dataclass(frozen=True)
@@ -40,10 +38,6 @@ class ReplicaPlan:
 
     def cost_model(self, hardware: Hardware, coefficients: Coefficients) -> CostModel:
         return CostModel(hardware, self.model, coefficients, self.lora)
-
-
-def is_unified(configuration: str) -> bool:
-    return configuration in UNIFIED or configuration.startswith("unified:")
 
 
 def unified_policy(configuration: str, user_policy: str | None = None) -> str:

@@ -397,12 +397,19 @@ class Scenario(Strict):
         if self.embedding.bidirectional and self.scheduler.chunk_size is not None:
             raise ValueError("embedding.bidirectional: a bidirectional embedder cannot be chunked "
                              "exactly; set scheduler.chunk_size: null (atomic embeddings)")
-        unified = [c for c in self.configurations
-                   if c in ("orthrus", "unified-hetero", "unified-homo") or c.startswith("unified:")]
+        unified = [c for c in self.configurations if is_unified(c)]
         if self.cluster.router == "adaptive" and unified and self.scheduler.tpot_target_s is None:
             raise ValueError(f"cluster.router: adaptive places {', '.join(unified)} by the "
                              "iteration-time target: set scheduler.tpot_target_s")
         return self
+
+
+UNIFIED = ("orthrus", "unified-hetero", "unified-homo")
+
+
+def is_unified(configuration: str) -> bool:
+    """A configuration whose every GPU serves both kinds (``unified:<policy>`` included)."""
+    return configuration in UNIFIED or configuration.startswith("unified:")
 
 
 def split_gpus(name: str, gpus: int) -> tuple[int, int] | None:
