@@ -88,6 +88,22 @@ def test_every_field_reaches_the_command_line(name):
     assert (policy, cfg) == ("ibs", changed(name))
 
 
+def test_a_scenarios_calibration_serves_its_target(tmp_path):
+    """``serve --scenario`` without --calibration: the scenario's calibration is the cost model
+    its tpot target is predicted with (and --calibration, given, wins in cli.serve)."""
+    import yaml
+
+    from orthrus_real.cli import _settings
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "duration_s": 5, "calibration": "cpu-2core-small",
+                                    "scheduler": {"tpot_target_s": 0.05},
+                                    "configurations": ["orthrus"]}))
+    policy, cfg, calibration = _settings(str(path), None, [], "ibs")
+    assert cfg.tpot_target_s == 0.05 and calibration.endswith("cpu-2core-small.json")
+    assert _settings(None, None, ["scheduler.tpot_target_s=0.05"], "ibs")[2] is None
+
+
 def test_command_line_settings_errors_name_the_field():
     with pytest.raises(ValueError, match=r"did you mean 'scheduler\.kv_admission'"):
         cli_config(["scheduler.kv_admision=reserve"])

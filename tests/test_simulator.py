@@ -248,6 +248,10 @@ def test_scenario_errors_name_the_field():
         parse_scenario({"name": "x", "duration_s": 1, "embedding": {"bidirectional": True}})
     with pytest.raises(ValueError, match="cannot import module"):
         parse_scenario({"name": "x", "duration_s": 1, "configurations": ["unified:nope.mod:Cls"]})
+    limit = get_model(parse_scenario({"name": "x", "duration_s": 1}).model).max_position_embeddings
+    with pytest.raises(ValueError, match=rf"scheduler\.max_model_len \({limit + 1}\) exceeds"):
+        parse_scenario({"name": "x", "duration_s": 1, "scheduler": {"max_model_len": limit + 1}})
+    assert parse_scenario({"name": "x", "duration_s": 1, "scheduler": {"max_model_len": limit}})
 
 
 def test_overrides_parse_yaml_values():

@@ -380,7 +380,10 @@ class Scenario(Strict):
         from orthrus_sim.costmodel import get_hardware, get_model
 
         get_hardware(self.hardware)
-        get_model(self.model)
+        limit = get_model(self.model).max_position_embeddings
+        if self.scheduler.max_model_len is not None and self.scheduler.max_model_len > limit:
+            raise ValueError(f"scheduler.max_model_len ({self.scheduler.max_model_len}) exceeds "
+                             f"the model's max_position_embeddings ({limit}) of {self.model!r}")
         if self.embedding.model:
             get_model(self.embedding.model)
         w = self.workload
