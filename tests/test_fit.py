@@ -219,11 +219,25 @@ def test_fit_validation_tables_and_docs_section(tmp_path, monkeypatch):
               "overlap": {"value": 1.0, "status": "undetermined"}}
     results = [{"mix": "5:5", "fit": params, "predicted": rows, "prior": rows}]
     args = SimpleNamespace(backend="torch", duration=20.0, warmup=4.0, clients=8, repeat=1,
-                           configurations=["orthrus"], engine_cpus="1", client_cpus="0")
-    lines = fv.table_lines(results, args, 12.0)
-    text = "\n".join(lines)
+                           configurations=["orthrus"], engine_cpus="1", client_cpus="0",
+                           target_factor=0.0, min_completions=20)
+    text = "\n".join(fv.table_lines(results, args, 12.0))
     assert "| 5:5 | orthrus | +10.0% (+10%) |" in text and "**+30.0%**" in text
     assert "2 of 6 cells meet their target." in text and "MAPE with the fitted calibration" in text
+    # too few generations finished: their four cells are shown with the count, not judged
+    few = [{**results[0], "target_s": 0.2,
+            "completed": {"orthrus": {"embedding": 40.0, "generation": 7.0}},
+            "completed_predicted": {"orthrus": {"embedding": 38, "generation": 9}}}]
+    text = "\n".join(fv.table_lines(few, SimpleNamespace(**{**vars(args), "target_factor": 2.0}), 1.0))
+    assert "| 5:5 | orthrus | +10.0% (+10%) | (+10%, n=7) | **+30.0%** (+30%) | (+30%, n=7) |" in text
+    assert "1 of 2 cells meet their target (4 more in brackets" in text and "5:5 200 ms" in text
+    generation = {"runs": [{"metrics": {"latency_s": {"tpot": {"p50": 0.04}}}},
+                           {"metrics": {"latency_s": {"tpot": {"p50": 0.06}}}}]}
+    assert fv.treatment_target(2.0, generation) == pytest.approx(0.1)
+    assert fv.treatment_target(0.0, generation) is None
+    with pytest.raises(SystemExit, match="no TPOT"):
+        fv.treatment_target(2.0, {"runs": [{"metrics": {"latency_s": {"tpot": None}}}]})
+    lines = fv.table_lines(results, args, 12.0)
     doc = tmp_path / "docs" / "fidelity.md"
     doc.parent.mkdir()
     doc.write_text("# Fidelity\n\ntoday's table\n")
