@@ -8,7 +8,13 @@ from hypothesis import strategies as st
 
 from orthrus_sim.costmodel import CostModel, get_hardware, get_model
 from orthrus_sim.engine import Request, RequestKind, SchedulerConfig
-from orthrus_sim.experiment.routing import ROLES_FOR, LeastPredictedTime, _Load, make_router
+from orthrus_sim.experiment.routing import (
+    ROLES_FOR,
+    ROUTERS,
+    LeastPredictedTime,
+    _Load,
+    make_router,
+)
 from orthrus_sim.experiment.scenario import load_scenario
 from orthrus_sim.sim.run import simulate
 from tests.test_routing import COST, FakePolicy, FakeReplica
@@ -208,3 +214,12 @@ def test_a_simulated_cluster_routes_by_predicted_time_deterministically():
 def test_a_scenario_names_a_bad_router():
     with pytest.raises(ValueError, match="cluster.router.*least-predicted-time"):
         load_scenario("scenarios/mix_sweep.yaml", ["cluster.router=fastest"])
+
+
+def test_the_catalogue_lists_the_routers():
+    from typer.testing import CliRunner
+
+    from orthrus_sim.cli import app
+
+    res = CliRunner().invoke(app, ["catalogue"])
+    assert res.exit_code == 0 and all(rule in res.output for rule in ROUTERS)
