@@ -1,7 +1,8 @@
 """The routing rules compared in the simulator: p99 latency per kind and throughput for
 round-robin, least-work and least-predicted-time (and adaptive placement, which needs an
 iteration-time target) at 4 GPUs, on the Iter-RetGen scenario (scenarios/iter_retgen.yaml) and
-the mix sweep (scenarios/mix_sweep.yaml: clients split by kind, and one mixed pool).
+the mix sweep (scenarios/mix_sweep.yaml: clients split by kind, and one mixed pool), and an
+open load with skewed lengths (scenarios/routing_skew.yaml, three Poisson rates).
 
 Configurations: Orthrus and Unified-Hetero (every replica serves both kinds: the rule places
 mixed work), Dedicated-1:3 (routing by kind; the rule acts within the generation side) and, on
@@ -47,7 +48,10 @@ EXPERIMENTS = {
                      ["orthrus", "unified-hetero", "dedicated-1:3"]),
     "mix_mixed_pool": ("mix_sweep", ["cluster.gpus=4", "workload.arrival.pools=mixed"], [SHARES],
                        ["orthrus", "unified-hetero", "dedicated-1:3"]),
+    "skew": ("routing_skew", [], ["workload.arrival.rate=45,55,65"],
+             ["orthrus", "unified-hetero", "dedicated-1:3"]),
 }
+POINT = {"mix_per_kind": "share", "mix_mixed_pool": "share", "skew": "req/s"}
 console = Console()
 
 
@@ -70,7 +74,8 @@ def rows_of(doc: dict, name: str, target_ms: float | None = None) -> list[dict]:
             m = run["metrics"]
             lat, tp = m["latency_s"], m["throughput_rps"]
             rows.append({
-                "experiment": name, "share": over.get("workload.generation_share"),
+                "experiment": name, "point": next((v for k, v in over.items()
+                                                   if k != "cluster.router"), None),
                 "configuration": run["configuration"], "rule": over["cluster.router"],
                 "target_ms": target_ms, "embedding_rps": tp["embedding"],
                 "generation_rps": tp["generation"], "workflow_rps": tp.get("workflow"),
@@ -88,18 +93,19 @@ def compute(workers: int, quick: bool) -> list[dict]:
                     workers, quick)
         found = rows_of(doc, name)
         rows += found
-        for share in dict.fromkeys(r["share"] for r in found):  # one target per point
-            ref = next(r for r in found if r["share"] == share and r["rule"] == "round-robin"
+        key = grid[0].split("=")[0] if grid else None
+        for point in dict.fromkeys(r["point"] for r in found):  # one target per point
+            ref = next(r for r in found if r["point"] == point and r["rule"] == "round-robin"
                        and r["configuration"] == "dedicated-1:3")
             target = TARGET_X * ref["tpot_p50_s"]
-            at = [f"workload.generation_share={share}"] if share is not None else []
+            at = [f"{key}={point}"] if key else []
             doc = sweep(scenario, [*overrides, *at, "configurations=[orthrus]",
                                    f"scheduler.tpot_target_s={target:.6f}",
                                    "scheduler.waiting_work=prompt+output"],
                         [f"cluster.router={','.join([*RULES, 'adaptive'])}"],
-                        WORK / f"{name}_target_{share}", workers, quick)
+                        WORK / f"{name}_target_{point}", workers, quick)
             for r in rows_of(doc, name, round(target * 1e3, 2)):
-                r["share"] = share
+                r["point"] = point
                 rows.append(r)
     if not quick:
         DATA.parent.mkdir(parents=True, exist_ok=True)
@@ -115,22 +121,22 @@ def table(rows: list[dict], name: str) -> list[str]:
     """One experiment's rows; in each group (point, configuration, target) the lowest p99 of
     each kind, as printed, is bold."""
     flow = name == "iter_retgen"
-    head = ["share"] * (not flow) + ["configuration", "rule", "emb/s", "gen/s"] + \
+    head = [POINT.get(name, "point")] * (not flow) + ["configuration", "rule", "emb/s", "gen/s"] + \
         ["workflows/s"] * flow + ["emb E2E p99 (s)", "TTFT p99 (s)", "TPOT p99 (ms)"] + \
         ["workflow p99 (s)"] * flow
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     mine = [r for r in rows if r["experiment"] == name]
     groups: dict[tuple, list[dict]] = {}
     for r in mine:
-        groups.setdefault((r["share"], r["configuration"], r["target_ms"]), []).append(r)
+        groups.setdefault((r["point"], r["configuration"], r["target_ms"]), []).append(r)
     cols = [("embedding_p99_s", 1.0, 2), ("ttft_p99_s", 1.0, 2), ("tpot_p99_s", 1e3, 1)] + \
         [("workflow_p99_s", 1.0, 0)] * flow
-    for (share, cfg, target), group in groups.items():
+    for (point, cfg, target), group in groups.items():
         best = {k: _num(min((r[k] for r in group if r[k] is not None), default=None), scale, d)
                 for k, scale, d in cols}
         for r in group:
             label = cfg if target is None else f"{cfg} + target {target:g} ms"
-            cells = [str(share)] * (not flow) + [label, r["rule"], _num(r["embedding_rps"], 1, 1),
+            cells = [str(point)] * (not flow) + [label, r["rule"], _num(r["embedding_rps"], 1, 1),
                                                  _num(r["generation_rps"])]
             cells += [_num(r["workflow_rps"], 1, 3)] * flow
             for k, scale, digits in cols:
@@ -145,12 +151,12 @@ def write_doc(rows: list[dict]) -> None:
     text = DOC.read_text()
     for name in EXPERIMENTS:
         body = "\n".join(table(rows, name))
-        pattern = re.compile(rf"(<!-- make_routing:{name} -->\n).*?(\n<!-- /make_routing -->)",
+        pattern = re.compile(rf"(<!-- make_routing:{name} -->\n)(?:.*?\n)??(<!-- /make_routing -->)",
                              re.S)
         if not pattern.search(text):
             raise SystemExit(f"{DOC}: no <!-- make_routing:{name} --> ... "
                              "<!-- /make_routing --> markers to write the table between")
-        text = pattern.sub(lambda m, b=body: m.group(1) + b + m.group(2), text)
+        text = pattern.sub(lambda m, b=body: m.group(1) + b + "\n" + m.group(2), text)
     DOC.write_text(text)
     console.print(f"wrote {DOC} and {DATA}")
 
