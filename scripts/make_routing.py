@@ -110,6 +110,7 @@ def compute(workers: int, quick: bool) -> list[dict]:
     if not quick:
         DATA.parent.mkdir(parents=True, exist_ok=True)
         DATA.write_text(json.dumps(rows, indent=1) + "\n")
+        console.print(f"wrote {DATA}", highlight=False)
     return rows
 
 
@@ -158,7 +159,7 @@ def write_doc(rows: list[dict]) -> None:
                              "<!-- /make_routing --> markers to write the table between")
         text = pattern.sub(lambda m, b=body: m.group(1) + b + "\n" + m.group(2), text)
     DOC.write_text(text)
-    console.print(f"wrote {DOC} and {DATA}")
+    console.print(f"wrote {DOC}", highlight=False)
 
 
 def main() -> None:
