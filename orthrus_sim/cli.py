@@ -264,9 +264,10 @@ def _print_fit(result) -> None:
 
 @app.command()
 def catalogue() -> None:
-    """List the known hardware, models, shipped scenarios and calibrations."""
+    """List the known hardware, models, shipped scenarios, calibrations and routers."""
     from orthrus_sim import data_dir
     from orthrus_sim.costmodel import HARDWARE, MODEL_CONFIGS, get_model
+    from orthrus_sim.experiment.routing import ROUTERS
     from orthrus_sim.experiment.scenario import shipped_calibrations
 
     hw = Table(title="hardware")
@@ -287,6 +288,7 @@ def catalogue() -> None:
     console.print("scenarios: " + ", ".join(p.stem for p in sorted(data_dir("scenarios").glob("*.yaml"))),
                   highlight=False)
     console.print("calibrations: " + ", ".join(shipped_calibrations()), highlight=False)
+    console.print("routers (cluster.router): " + ", ".join(ROUTERS), highlight=False)
 
 
 if __name__ == "__main__":

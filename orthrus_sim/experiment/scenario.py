@@ -57,10 +57,11 @@ class EmbeddingSection(Strict):
 
 class ClusterSection(Strict):
     gpus: int = Field(default=1, ge=1)
-    router: Literal["round-robin", "least-work", "adaptive"] = Field(
+    router: Literal["round-robin", "least-work", "least-predicted-time", "adaptive"] = Field(
         default="round-robin", description="round-robin | least-work (outstanding tokens) | "
-        "adaptive (unified replicas with scheduler.tpot_target_s: generations packed onto as few "
-        "replicas as hold the target, embeddings where they finish first)")
+        "least-predicted-time (where the replica's cost model predicts the request done first; "
+        "docs/routing.md) | adaptive (unified replicas with scheduler.tpot_target_s: generations "
+        "packed onto as few replicas as hold the target, embeddings where they finish first)")
     adaptive_pack: float = Field(default=1.0, gt=0, le=1, description="adaptive router: pack a "
                                  "replica's generations up to this fraction of the target")
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
