@@ -282,3 +282,40 @@ def test_adaptive_router_without_a_target_is_refused_up_front():
     # split placements alone route by kind: no target needed
     load_scenario("scenarios/mix_sweep.yaml", ["cluster.router=adaptive",
                                                "configurations=[dedicated-1:3]"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(request_spec, min_size=1, max_size=30),
+       st.sampled_from(["ibs", "unified-hetero", "unified-homo"]),
+       st.sampled_from([1.6, 2.2, 3.0]), st.sampled_from([8, 16]),
+       st.sampled_from([30, 60, 400]), st.sampled_from([4, 16]))
+def test_cut_embedding_chunks_store_what_later_chunks_read(spec, policy_name, target, min_chunk,
+                                                           num_blocks, block_size):
+    """The target cuts embedding chunks, so an embedding's last chunk comes later than its
+    admission planned: every chunk but the last still finds blocks for the keys and values it
+    stores, the last stores none, a one-chunk embedding holds none, the blocks in use never
+    exceed the cache, and everything finishes and gives its blocks back. (An embedding of one
+    planned chunk that the target cuts stores its earlier pieces.)"""
+    pred = RooflinePredictor()
+    cfg = SchedulerConfig(token_budget=128, chunk_size=64, num_blocks=num_blocks,
+                          block_size=block_size, tpot_target_s=target, min_chunk_tokens=min_chunk)
+    policy = make_policy(policy_name, cfg, pred)
+    requests = make_requests(spec)
+
+    def check(policy, batch, now):
+        blocks = policy.blocks
+        assert sum(len(t) for t in blocks.tables.values()) == blocks.num_used <= num_blocks
+        for it in batch.items:
+            rid = it.request.request_id
+            stores = it.end if policy.writes_kv(it) else it.start
+            assert blocks.held(rid) * block_size >= stores
+            if it.kind is ItemKind.EMBED_CHUNK:
+                assert policy.writes_kv(it) == (it.end < it.request.input_len)
+                if it.start == 0 and not policy.writes_kv(it):  # it goes in one chunk
+                    assert blocks.held(rid) == 0
+                # never more than its tokens before the last one
+                assert blocks.held(rid) <= blocks.blocks_for(it.request.input_len - 1)
+
+    drive(policy, requests, check)
+    assert all(r.state.value in ("finished", "rejected") for r in requests)
+    assert policy.blocks.num_used == 0
