@@ -13,6 +13,7 @@ from orthrus_sim.engine import (
     ItemKind,
     Request,
     RequestKind,
+    RequestState,
     SchedulerConfig,
     make_policy,
 )
@@ -318,4 +319,67 @@ def test_cut_embedding_chunks_store_what_later_chunks_read(spec, policy_name, ta
 
     drive(policy, requests, check)
     assert all(r.state.value in ("finished", "rejected") for r in requests)
+    assert policy.blocks.num_used == 0
+
+
+class ChunkTokensPredictor:
+    """An iteration takes as long as its chunk tokens (decodes cost nothing): a target of N
+    cuts any chunk beside decodes to N tokens."""
+
+    def predict(self, batch: BatchUnit, extra: BatchItem | None = None) -> float:
+        items = batch.items + ([extra] if extra is not None else [])
+        return float(sum(it.num_tokens for it in items if it.kind is not ItemKind.DECODE))
+
+
+def test_a_cut_chunk_past_its_blocks_ends_where_they_end_then_the_rest_goes_last():
+    """An embedding of 100 tokens in chunks of 64 is admitted with the blocks of its first 64;
+    the target cuts its chunks to 24 beside a decode that takes the cache's last free block,
+    so its third chunk ends where its blocks end (48..64) and the remaining 36 go whole, as the
+    last chunk (which stores nothing): it completes holding the 4 blocks it was admitted with."""
+    cfg = SchedulerConfig(token_budget=128, chunk_size=64, block_size=16, num_blocks=6,
+                          tpot_target_s=24.0, min_chunk_tokens=8)
+    policy = make_policy("ibs", cfg, ChunkTokensPredictor())
+    gen, emb = make_requests([("generation", 0, 15, 50), ("embedding", 0, 100, 0)])
+    policy.add(gen)
+    policy.complete(policy.schedule(0.0), 1.0)  # the prompt alone: no target without decodes
+    policy.add(emb, 1.0)
+    chunks, held, writes = [], [], []
+    now = 1.0
+    while emb.state is not RequestState.FINISHED:
+        batch = policy.schedule(now)
+        for it in batch.items:
+            if it.request is emb:
+                chunks.append((it.start, it.num_tokens))
+                held.append(policy.blocks.held(emb.request_id))
+                writes.append(policy.writes_kv(it))
+        now += 1.0
+        policy.complete(batch, now)
+    assert chunks == [(0, 24), (24, 24), (48, 16), (64, 36)]
+    assert held == [4, 4, 4, 4] and writes == [True, True, True, False]
+    assert sum(policy.preemptions.values()) == 0
+
+
+def test_a_waiting_embedding_cut_short_waits_for_the_blocks_of_its_first_piece():
+    """A one-chunk embedding (40 tokens) needs no blocks, but cut to 24 by the target beside a
+    decode it must store them: with no block free it waits (holding none) rather than store
+    keys and values nowhere, and goes once the decode has finished and freed its blocks."""
+    cfg = SchedulerConfig(token_budget=128, chunk_size=64, block_size=16, num_blocks=2,
+                          tpot_target_s=24.0, min_chunk_tokens=8)
+    policy = make_policy("ibs", cfg, ChunkTokensPredictor())
+    gen, emb = make_requests([("generation", 0, 16, 8), ("embedding", 0, 40, 0)])
+    policy.add(gen)
+    policy.complete(policy.schedule(0.0), 1.0)
+    policy.add(emb, 1.0)
+    now, first, waited = 1.0, None, 0
+    while emb.state is not RequestState.FINISHED:
+        batch = policy.schedule(now)
+        mine = [it for it in batch.items if it.request is emb]
+        if mine and first is None:
+            first = (mine[0].num_tokens, gen.state)
+        if not mine:
+            waited += 1
+            assert policy.blocks.held(emb.request_id) == 0
+        now += 1.0
+        policy.complete(batch, now)
+    assert waited > 0 and first == (40, RequestState.FINISHED)  # no decode left: it goes whole
     assert policy.blocks.num_used == 0

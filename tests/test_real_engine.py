@@ -298,7 +298,7 @@ def test_a_one_chunk_embedding_never_touches_the_kv_cache(tiny_models):
         used = []
         forward = eng.forward
 
-        def watched(batch, forward=forward, eng=eng):
+        def watched(batch, forward=forward, eng=eng, used=used):
             used.append(eng.policy.blocks.num_used)
             return forward(batch)
 
