@@ -5,16 +5,21 @@ and values are written to their cache slots first; then each chunk item (embeddi
 attends over its gathered context with an offset causal mask, and all decodes attend together
 in one padded call. Slot of position p of a request = table[p // block_size] * block_size +
 p % block_size, where ``table`` is the core's block table for that request.
+
+An item the core says stores nothing (``KVAdmission.writes_kv``: an embedding's last chunk)
+writes no slot: it attends to its gathered context followed by its own keys and values, which
+are the same numbers the cache would have handed back, so its output is bit-identical.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from orthrus_sim.engine.batch import BatchUnit, ItemKind
+from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
 
 
 @dataclass
@@ -28,16 +33,18 @@ class ChunkPlan:
     count: int = 1
     slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    stored: bool = True  # its own keys and values are in the cache (else appended to the context)
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) cache slot of every new token
+    slot_mapping: torch.Tensor  # (W,) cache slot of every new token that is stored
     positions: torch.Tensor  # (T,) position of every token in its sequence
     chunks: list[ChunkPlan]
     decode_rows: slice  # contiguous rows of the decodes (sorted last)
     decode_slots: torch.Tensor | None  # (B, L) padded context slots
     decode_bias: torch.Tensor | None  # (B, 1, 1, L) 0 where a slot is real, -inf on padding
+    write_rows: torch.Tensor | None = None  # (W,) rows stored, where not every row is
 
 
 def slot_list(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -54,20 +61,31 @@ def slot_list(table: list[int], start: int, end: int, block_size: int) -> list[i
 
 
 def build_metadata(batch: BatchUnit, tables: dict[str, list[int]], block_size: int,
-                   device: torch.device) -> AttentionMetadata:
+                   device: torch.device,
+                   writes_kv: Callable[[BatchItem], bool] | None = None) -> AttentionMetadata:
     """The step's positions, slots and decode contexts as plain integers first, then one
-    tensor copied to the device once and viewed in parts (per request, only Python lists)."""
+    tensor copied to the device once and viewed in parts (per request, only Python lists).
+    ``writes_kv`` (the policy's): which items store their keys and values (None: all)."""
     slots: list[int] = []
     positions: list[int] = []
+    write_rows: list[int] = []  # filled only once an item is not stored
+    skipped = False
     chunk_slots: list[list[int]] = []  # per chunk item with cached context
     chunks = []
     decode_items = []
     row = 0
     decode_start = None
     for item in batch.items:
-        table = tables[item.request.request_id]
+        table = tables.get(item.request.request_id, ())  # an unstored one-chunk item has none
         positions.extend(range(item.start, item.end))
-        slots.extend(slot_list(table, item.start, item.end, block_size))
+        stored = writes_kv is None or writes_kv(item)
+        if stored:
+            slots.extend(slot_list(table, item.start, item.end, block_size))
+            if skipped:
+                write_rows.extend(range(row, row + item.num_tokens))
+        elif not skipped:
+            skipped = True
+            write_rows = list(range(row))
         rows = slice(row, row + item.num_tokens)
         if item.kind is ItemKind.DECODE:
             if decode_start is None:
@@ -83,12 +101,12 @@ def build_metadata(batch: BatchUnit, tables: dict[str, list[int]], block_size: i
                 chunks.append(ChunkPlan(rows, n))
             else:
                 mask = torch.ones(n, ctx + n, dtype=torch.bool, device=device).tril(diagonal=ctx)
-                chunks.append(ChunkPlan(rows, n, 1, None, mask))
-                chunk_slots.append(slot_list(table, 0, item.end, block_size))
+                chunks.append(ChunkPlan(rows, n, 1, None, mask, stored))
+                chunk_slots.append(slot_list(table, 0, item.end if stored else ctx, block_size))
         row += item.num_tokens
-    # one host list: slots, positions, each context chunk's slots, the padded decode contexts
-    # and their lengths
-    host = slots + positions
+    # one host list: slots, positions, the rows stored (if not all), each context chunk's
+    # slots, the padded decode contexts and their lengths
+    host = slots + positions + write_rows
     for part in chunk_slots:
         host += part
     longest = max((end for end, _ in decode_items), default=0)
@@ -97,10 +115,10 @@ def build_metadata(batch: BatchUnit, tables: dict[str, list[int]], block_size: i
         host += [0] * (longest - end)
     host += [end for end, _ in decode_items]
     flat = torch.tensor(host, dtype=torch.long).to(device, non_blocking=True)
-    t = len(slots)
-    at = 2 * t
+    w, t = len(slots), len(positions)
+    at = w + t + len(write_rows)
     for chunk in (c for c in chunks if c.mask is not None):
-        size = chunk.mask.shape[1]
+        size = chunk.mask.shape[1] - (0 if chunk.stored else chunk.n)
         chunk.slots, at = flat[at:at + size], at + size
     decode_slots = decode_bias = None
     if decode_items:
@@ -111,16 +129,21 @@ def build_metadata(batch: BatchUnit, tables: dict[str, list[int]], block_size: i
         decode_bias = torch.zeros(real.shape, device=device).masked_fill_(~real, float("-inf"))
         decode_bias = decode_bias[:, None, None, :]
     return AttentionMetadata(
-        slot_mapping=flat[:t], positions=flat[t:2 * t], chunks=chunks,
+        slot_mapping=flat[:w], positions=flat[w:w + t], chunks=chunks,
         decode_rows=slice(decode_start, row) if decode_start is not None else slice(row, row),
         decode_slots=decode_slots, decode_bias=decode_bias,
+        write_rows=flat[w + t:w + t + len(write_rows)] if skipped else None,
     )
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q (T, H, D), k/v (T, KVH, D), cache (slots, 2, KVH, D) -> (T, H, D)."""
-    cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), 1))
+    new_kv = torch.stack((k, v), 1)
+    if meta.write_rows is not None:  # some items store nothing (an embedding's last chunk)
+        new_kv = new_kv.index_select(0, meta.write_rows)
+    if new_kv.shape[0]:
+        cache.index_copy_(0, meta.slot_mapping, new_kv)
     out = torch.empty_like(q)
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     gqa = heads != kv_heads
@@ -135,6 +158,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             out[chunk.rows] = o.transpose(1, 2).reshape(-1, heads, dim)
             continue
         kv = cache.index_select(0, chunk.slots)  # (ctx+n, 2, KVH, D)
+        if not chunk.stored:  # its own keys and values follow the context
+            kv = torch.cat((kv, torch.stack((k[chunk.rows], v[chunk.rows]), 1)))
         qc = q[chunk.rows].transpose(0, 1)  # (H, n, D)
         kc, vc = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # (KVH, ctx+n, D)
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=scale,

@@ -91,7 +91,7 @@ class Engine(EngineBase):
             ids.extend(item.request.payload.tokens[item.start:item.end])
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         meta = build_metadata(batch, self.policy.blocks.tables, self.scheduler_config.block_size,
-                              self.device)
+                              self.device, self.policy.writes_kv)
         lora_rows = batch.token_slice(ItemKind.EMBED_CHUNK)
         return self.model.forward(input_ids, meta, self.caches, lora_rows)
 

@@ -12,8 +12,10 @@ from dataclasses import fields, replace
 
 from orthrus_sim.engine import SchedulerConfig
 
-# what an executor decides (its KV cache, its block size, its model's length limit)
-EXECUTOR_FIELDS = ("num_blocks", "block_size", "max_model_len")
+# what an executor decides (its KV cache, its block size, its model's length limit, which
+# keys and values its attention stores: the PyTorch engine runs the config's embedding_kv, the
+# vLLM plug-in "all", since vLLM's attention writes the KV of every token it schedules)
+EXECUTOR_FIELDS = ("num_blocks", "block_size", "max_model_len", "embedding_kv")
 FIELD_NAMES = tuple(f.name for f in fields(SchedulerConfig))
 
 
@@ -62,6 +64,7 @@ def from_vllm_options(opts: dict, *, block_size: int, num_blocks: int, max_model
     values.setdefault("max_num_seqs", max_running)
     chunk = values.get("chunk_size", SchedulerConfig().chunk_size)
     values["chunk_size"] = None if chunk is None else min(chunk, budget)
+    values["embedding_kv"] = "all"  # vLLM allocates and writes every scheduled token's KV
     config = executor_config(SchedulerConfig(**values, num_blocks=num_blocks), num_blocks,
                              block_size, max_model_len)
     return opts.get("policy", "ibs"), config

@@ -12,6 +12,8 @@ from orthrus_sim.engine import (
     POLICIES,
     Credits,
     ItemKind,
+    Request,
+    RequestKind,
     RequestState,
     SchedulerConfig,
     make_policy,
@@ -37,6 +39,7 @@ knobs = st.fixed_dictionaries({
     "num_blocks": st.sampled_from([40, 200, 4000]),
     "waiting_work": st.sampled_from(["prompt", "prompt+output"]),
     "max_num_embeds": st.sampled_from([None, 1, 3]),
+    "embedding_kv": st.sampled_from(["read", "all"]),
 })
 
 
@@ -46,7 +49,8 @@ def config_from(k: dict, **over) -> SchedulerConfig:
                                                     min(chunk, k["token_budget"]))
     args = dict(token_budget=k["token_budget"], chunk_size=chunk, max_num_seqs=k["max_num_seqs"],
                 block_size=k["block_size"], num_blocks=k["num_blocks"],
-                waiting_work=k["waiting_work"], max_num_embeds=k["max_num_embeds"])
+                waiting_work=k["waiting_work"], max_num_embeds=k["max_num_embeds"],
+                embedding_kv=k.get("embedding_kv", "read"))
     args.update(over)
     return SchedulerConfig(**args)
 
@@ -68,14 +72,21 @@ def invariant_checker(scheduled_tokens: dict[str, int], first_seen: list):
             assert it.num_tokens >= 1
             if it.kind is ItemKind.EMBED_CHUNK:
                 assert it.num_tokens <= (cfg.chunk_size or cfg.token_budget)
-                # an embedding holds blocks for its whole input while it is being chunked
+                # while it is being chunked, an embedding holds blocks for every chunk but its
+                # last (embedding_kv: read; its whole input with all): a one-chunk one none
+                stored = (it.request.input_len if cfg.embedding_kv == "all" else
+                          (it.request.input_len - 1) // (cfg.chunk_size or it.request.input_len)
+                          * (cfg.chunk_size or it.request.input_len))
                 assert policy.blocks.held(it.request.request_id) == policy.blocks.blocks_for(
-                    it.request.input_len)
+                    stored)
+                assert policy.writes_kv(it) == (cfg.embedding_kv == "all"
+                                                or it.end < it.request.input_len)
             if it.kind is ItemKind.DECODE:
                 assert it.num_tokens == 1
             assert it.request.state is RequestState.RUNNING
-            # the KV cache holds every token the item writes
-            assert policy.blocks.held(it.request.request_id) * cfg.block_size >= it.end
+            # the KV cache holds every token the item writes, and the context it reads
+            stores = it.end if policy.writes_kv(it) else it.start
+            assert policy.blocks.held(it.request.request_id) * cfg.block_size >= stores
             scheduled_tokens[it.request.request_id] = (
                 scheduled_tokens.get(it.request.request_id, 0) + it.num_tokens)
             if it.request.request_id not in {r.request_id for r in first_seen}:
@@ -84,7 +95,8 @@ def invariant_checker(scheduled_tokens: dict[str, int], first_seen: list):
         held = sum(len(t) for t in policy.blocks.tables.values())
         assert held == policy.blocks.num_used <= cfg.num_blocks
         holders = {r.request_id for r in running} | {r.request_id for r in holding_embeds}
-        assert set(policy.blocks.tables) == holders
+        assert set(policy.blocks.tables) <= holders
+        assert all(policy.blocks.held(r.request_id) for r in running)
         # each kind's slice is contiguous and covers exactly its items
         for kind in ItemKind:
             assert all(it.kind is kind for it in batch.items[batch.item_slice(kind)])
@@ -450,3 +462,41 @@ def test_reserve_admission_never_preempts(policy_name, specs, k):
     drive(policy, reqs, invariant_checker({}, []))
     assert policy.preemptions == {"embedding": 0, "generation": 0}
     assert all(r.state in (RequestState.FINISHED, RequestState.REJECTED) for r in reqs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(policy_name=st.sampled_from(["ibs", "unified-hetero"]),
+       gen_blocks=st.lists(st.integers(1, 5), min_size=2, max_size=6),
+       block_size=st.sampled_from([4, 16]), chunk=st.sampled_from([16, 64, None]),
+       embed_frac=st.floats(0.01, 1.0), embedding_kv=st.sampled_from(["read", "all"]))
+def test_one_chunk_embedding_is_admitted_with_no_free_block(policy_name, gen_blocks, block_size,
+                                                            chunk, embed_frac, embedding_kv):
+    """Running generations hold every block of the cache; an embedding that fits one chunk
+    (or an atomic one) still goes at once, holds no block and preempts nobody (``read``);
+    with ``embedding_kv: all`` it needs blocks and waits."""
+    budget = 512  # every prompt in the first batch
+    cfg = SchedulerConfig(token_budget=budget, chunk_size=chunk, block_size=block_size,
+                          num_blocks=sum(gen_blocks), embedding_kv=embedding_kv, max_num_seqs=64)
+    policy = make_policy(policy_name, cfg)
+    # each prompt (k blocks less one token) and its first sampled token fill its k blocks
+    gens = make_requests([("generation", 0, k * block_size - 1, 2) for k in gen_blocks])
+    for g in gens:
+        assert policy.add(g, 0.0)
+    while any(g.num_generated == 0 for g in gens):
+        policy.complete(policy.schedule(0.0), 0.0)
+    assert policy.blocks.num_free == 0
+    length = max(1, round(embed_frac * ((chunk or budget) - len(gens))))
+    emb = Request("e", RequestKind.EMBEDDING, 1.0, length)
+    added = policy.add(emb, 1.0)  # with ``all``, one larger than the whole cache is refused
+    assert added or embedding_kv == "all"
+    batch = policy.schedule(1.0)
+    items = [it for it in batch.items if it.request is emb]
+    if embedding_kv == "all":
+        assert not items and emb.state in (RequestState.WAITING, RequestState.REJECTED)
+        return
+    assert [it.num_tokens for it in items] == [length]
+    assert not policy.writes_kv(items[0])
+    assert policy.blocks.held("e") == 0 and policy.blocks.num_free == 0
+    assert sum(policy.preemptions.values()) == 0
+    policy.complete(batch, 2.0)
+    assert emb.state is RequestState.FINISHED

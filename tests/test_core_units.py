@@ -64,17 +64,50 @@ def test_unified_homo_never_mixes():
     assert any(it.kind is ItemKind.EMBED_CHUNK for b in batches for it in b.items)
 
 
-def test_embedding_holds_blocks_until_last_chunk():
-    policy = make_policy("ibs", SchedulerConfig(token_budget=64, chunk_size=32, block_size=16))
+@pytest.mark.parametrize("embedding_kv, blocks", [("read", 4), ("all", 5)])
+def test_embedding_holds_blocks_until_last_chunk(embedding_kv, blocks):
+    """80 tokens in chunks of 32, 32, 16: the blocks of the first two chunks (64 tokens, 4
+    blocks) are taken at the first chunk and held to the end, the last chunk's own keys and
+    values are not stored; with ``embedding_kv: all`` the whole input is (5 blocks)."""
+    policy = make_policy("ibs", SchedulerConfig(token_budget=64, chunk_size=32, block_size=16,
+                                                embedding_kv=embedding_kv))
     (req,) = make_requests([("embedding", 0, 80, 0)])
     policy.add(req)
-    held = []
+    held, writes = [], []
     while policy.has_work:
         batch = policy.schedule()
         held.append(policy.blocks.held(req.request_id))
+        writes.append(policy.writes_kv(batch.items[0]))
         policy.complete(batch, 1.0)
-    assert held == [5, 5, 5]  # whole input reserved at the first chunk, 3 chunks
+    assert held == [blocks] * 3
+    assert writes == [True, True, embedding_kv == "all"]
     assert policy.blocks.num_used == 0 and req.chunks_done == 3
+
+
+def test_one_chunk_embedding_needs_no_blocks():
+    """A one-chunk (or atomic) embedding is admitted with every block taken, holds none and
+    writes none; with ``embedding_kv: all`` it waits for blocks as before."""
+    for chunk in (32, None):
+        cfg = SchedulerConfig(token_budget=64, chunk_size=chunk, block_size=16, num_blocks=3)
+        policy = make_policy("ibs", cfg)
+        gen, emb = make_requests([("generation", 0, 40, 8), ("embedding", 0, 30, 0)])
+        policy.add(gen)
+        policy.complete(policy.schedule(), 1.0)  # the prompt takes every block
+        assert policy.blocks.num_free == 0
+        policy.add(emb, 1.0)
+        batch = policy.schedule(1.0)
+        (item,) = [it for it in batch.items if it.request is emb]
+        assert not policy.writes_kv(item) and policy.blocks.held(emb.request_id) == 0
+        policy.complete(batch, 2.0)
+        assert emb.state is RequestState.FINISHED
+    policy = make_policy("ibs", SchedulerConfig(token_budget=64, chunk_size=32, block_size=16,
+                                                num_blocks=3, embedding_kv="all"))
+    gen, emb = make_requests([("generation", 0, 40, 8), ("embedding", 0, 30, 0)])
+    policy.add(gen)
+    policy.complete(policy.schedule(), 1.0)
+    policy.add(emb, 1.0)
+    batch = policy.schedule(1.0)
+    assert all(it.request is not emb for it in batch.items)
 
 
 def test_max_num_embeds_caps_embeddings_holding_blocks():

@@ -13,6 +13,7 @@ from orthrus_sim.engine import (
     ItemKind,
     Request,
     RequestKind,
+    RequestState,
     SchedulerConfig,
     make_policy,
 )
@@ -282,3 +283,103 @@ def test_adaptive_router_without_a_target_is_refused_up_front():
     # split placements alone route by kind: no target needed
     load_scenario("scenarios/mix_sweep.yaml", ["cluster.router=adaptive",
                                                "configurations=[dedicated-1:3]"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(request_spec, min_size=1, max_size=30),
+       st.sampled_from(["ibs", "unified-hetero", "unified-homo"]),
+       st.sampled_from([1.6, 2.2, 3.0]), st.sampled_from([8, 16]),
+       st.sampled_from([30, 60, 400]), st.sampled_from([4, 16]))
+def test_cut_embedding_chunks_store_what_later_chunks_read(spec, policy_name, target, min_chunk,
+                                                           num_blocks, block_size):
+    """The target cuts embedding chunks, so an embedding's last chunk comes later than its
+    admission planned: every chunk but the last still finds blocks for the keys and values it
+    stores, the last stores none, a one-chunk embedding holds none, the blocks in use never
+    exceed the cache, and everything finishes and gives its blocks back. (An embedding of one
+    planned chunk that the target cuts stores its earlier pieces.)"""
+    pred = RooflinePredictor()
+    cfg = SchedulerConfig(token_budget=128, chunk_size=64, num_blocks=num_blocks,
+                          block_size=block_size, tpot_target_s=target, min_chunk_tokens=min_chunk)
+    policy = make_policy(policy_name, cfg, pred)
+    requests = make_requests(spec)
+
+    def check(policy, batch, now):
+        blocks = policy.blocks
+        assert sum(len(t) for t in blocks.tables.values()) == blocks.num_used <= num_blocks
+        for it in batch.items:
+            rid = it.request.request_id
+            stores = it.end if policy.writes_kv(it) else it.start
+            assert blocks.held(rid) * block_size >= stores
+            if it.kind is ItemKind.EMBED_CHUNK:
+                assert policy.writes_kv(it) == (it.end < it.request.input_len)
+                if it.start == 0 and not policy.writes_kv(it):  # it goes in one chunk
+                    assert blocks.held(rid) == 0
+                # never more than its tokens before the last one
+                assert blocks.held(rid) <= blocks.blocks_for(it.request.input_len - 1)
+
+    drive(policy, requests, check)
+    assert all(r.state.value in ("finished", "rejected") for r in requests)
+    assert policy.blocks.num_used == 0
+
+
+class ChunkTokensPredictor:
+    """An iteration takes as long as its chunk tokens (decodes cost nothing): a target of N
+    cuts any chunk beside decodes to N tokens."""
+
+    def predict(self, batch: BatchUnit, extra: BatchItem | None = None) -> float:
+        items = batch.items + ([extra] if extra is not None else [])
+        return float(sum(it.num_tokens for it in items if it.kind is not ItemKind.DECODE))
+
+
+def test_a_cut_chunk_past_its_blocks_ends_where_they_end_then_the_rest_goes_last():
+    """An embedding of 100 tokens in chunks of 64 is admitted with the blocks of its first 64;
+    the target cuts its chunks to 24 beside a decode that takes the cache's last free block,
+    so its third chunk ends where its blocks end (48..64) and the remaining 36 go whole, as the
+    last chunk (which stores nothing): it completes holding the 4 blocks it was admitted with."""
+    cfg = SchedulerConfig(token_budget=128, chunk_size=64, block_size=16, num_blocks=6,
+                          tpot_target_s=24.0, min_chunk_tokens=8)
+    policy = make_policy("ibs", cfg, ChunkTokensPredictor())
+    gen, emb = make_requests([("generation", 0, 15, 50), ("embedding", 0, 100, 0)])
+    policy.add(gen)
+    policy.complete(policy.schedule(0.0), 1.0)  # the prompt alone: no target without decodes
+    policy.add(emb, 1.0)
+    chunks, held, writes = [], [], []
+    now = 1.0
+    while emb.state is not RequestState.FINISHED:
+        batch = policy.schedule(now)
+        for it in batch.items:
+            if it.request is emb:
+                chunks.append((it.start, it.num_tokens))
+                held.append(policy.blocks.held(emb.request_id))
+                writes.append(policy.writes_kv(it))
+        now += 1.0
+        policy.complete(batch, now)
+    assert chunks == [(0, 24), (24, 24), (48, 16), (64, 36)]
+    assert held == [4, 4, 4, 4] and writes == [True, True, True, False]
+    assert sum(policy.preemptions.values()) == 0
+
+
+def test_a_waiting_embedding_cut_short_waits_for_the_blocks_of_its_first_piece():
+    """A one-chunk embedding (40 tokens) needs no blocks, but cut to 24 by the target beside a
+    decode it must store them: with no block free it waits (holding none) rather than store
+    keys and values nowhere, and goes once the decode has finished and freed its blocks."""
+    cfg = SchedulerConfig(token_budget=128, chunk_size=64, block_size=16, num_blocks=2,
+                          tpot_target_s=24.0, min_chunk_tokens=8)
+    policy = make_policy("ibs", cfg, ChunkTokensPredictor())
+    gen, emb = make_requests([("generation", 0, 16, 8), ("embedding", 0, 40, 0)])
+    policy.add(gen)
+    policy.complete(policy.schedule(0.0), 1.0)
+    policy.add(emb, 1.0)
+    now, first, waited = 1.0, None, 0
+    while emb.state is not RequestState.FINISHED:
+        batch = policy.schedule(now)
+        mine = [it for it in batch.items if it.request is emb]
+        if mine and first is None:
+            first = (mine[0].num_tokens, gen.state)
+        if not mine:
+            waited += 1
+            assert policy.blocks.held(emb.request_id) == 0
+        now += 1.0
+        policy.complete(batch, now)
+    assert waited > 0 and first == (40, RequestState.FINISHED)  # no decode left: it goes whole
+    assert policy.blocks.num_used == 0

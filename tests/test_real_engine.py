@@ -263,3 +263,75 @@ def test_a_fresh_chunk_after_a_chunk_with_context_is_attended_on_its_own():
     assert plans == [(slice(0, 16), 1, True), (slice(16, 48), 2, False)]
     assert meta.chunks[0].slots.tolist() == list(range(32))
     assert meta.slot_mapping.tolist() == list(range(16, 32)) + list(range(48, 80))
+
+
+def test_embeddings_are_bit_identical_whether_last_chunks_store_kv_or_not(tiny_models):
+    """``embedding_kv: read`` (an embedding's last chunk attends to its own keys and values
+    without storing them) gives the very embeddings and tokens of ``all`` (every chunk stores)."""
+    path = tiny_models["qwen2"]
+    outs = {}
+    for mode in ("read", "all"):
+        eng = engine_on(path, adapter_dir=path / "adapter", policy="ibs",
+                        scheduler=SchedulerConfig(token_budget=64, chunk_size=16,
+                                                  embedding_kv=mode))
+        for i, n in enumerate((1, 15, 16, 40, 97)):
+            eng.add_embedding(f"e{i}", token_ids=prompt_ids(n, seed=n), pooling="mean")
+            greedy(eng, f"g{i}", prompt_ids(9 + i, seed=i), n=4)
+        outs[mode] = eng.run_until_idle()
+        assert eng.policy.blocks.num_used == 0
+    for rid, out in outs["all"].items():
+        got = outs["read"][rid]
+        if rid.startswith("e"):
+            assert np.array_equal(got.embedding, out.embedding), rid
+        else:
+            assert got.token_ids == out.token_ids, rid
+
+
+def test_a_one_chunk_embedding_never_touches_the_kv_cache(tiny_models):
+    """One-chunk and atomic embeddings hold no KV block while they run and write no cache slot
+    (the cache tensors stay zero), and pool as before."""
+    path = tiny_models["llama"]
+    ids = [prompt_ids(n, seed=n) for n in (1, 12, 16)]
+    for chunk in (16, None):
+        eng = engine_on(path, adapter_dir=path / "adapter",
+                        scheduler=SchedulerConfig(token_budget=64, chunk_size=chunk))
+        used = []
+        forward = eng.forward
+
+        def watched(batch, forward=forward, eng=eng, used=used):
+            used.append(eng.policy.blocks.num_used)
+            return forward(batch)
+
+        eng.forward = watched
+        for i, x in enumerate(ids):
+            eng.add_embedding(f"e{i}", token_ids=x)
+        out = eng.run_until_idle()
+        assert used and all(u == 0 for u in used)
+        assert all(not c.any() for c in eng.caches), "a one-chunk embedding wrote the cache"
+        ref = engine_on(path, adapter_dir=path / "adapter",
+                        scheduler=SchedulerConfig(token_budget=64, chunk_size=chunk,
+                                                  embedding_kv="all"))
+        for i, x in enumerate(ids):
+            ref.add_embedding(f"e{i}", token_ids=x)
+        expected = ref.run_until_idle()
+        assert any(c.any() for c in ref.caches)
+        for i in range(len(ids)):
+            assert np.array_equal(out[f"e{i}"].embedding, expected[f"e{i}"].embedding)
+
+
+def test_an_unstored_last_chunk_reads_its_context_and_writes_nothing():
+    from orthrus_real.attention import build_metadata
+    from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
+
+    a = Request("a", RequestKind.EMBEDDING, 0.0, 40)  # last chunk: 24 tokens after 16 cached
+    b = Request("b", RequestKind.EMBEDDING, 0.0, 48)  # a middle chunk: stored
+    batch = BatchUnit(64)
+    batch.items = [BatchItem(a, ItemKind.EMBED_CHUNK, 16, 24), BatchItem(b, ItemKind.EMBED_CHUNK, 16, 16)]
+    meta = build_metadata(batch, {"a": [5], "b": [0, 1]}, 16, torch.device(DEVICE),
+                          lambda it: it.end < it.request.input_len)
+    assert [c.stored for c in meta.chunks] == [False, True]
+    assert meta.chunks[0].slots.tolist() == list(range(80, 96))  # its context only
+    assert meta.chunks[0].mask.shape == (24, 40)
+    assert meta.slot_mapping.tolist() == list(range(16, 32))  # b's chunk alone
+    assert meta.write_rows.tolist() == list(range(24, 40))
+    assert meta.positions.tolist() == list(range(16, 40)) + list(range(16, 32))

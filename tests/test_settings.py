@@ -123,6 +123,8 @@ def test_every_field_reaches_the_vllm_plug_in(name):
     assert policy == "unified-hetero"
     assert getattr(got, name) == getattr(cfg, name)
     assert (got.block_size, got.num_blocks, got.max_model_len) == (32, 99, 2048)
+    # vLLM stores every scheduled token's keys and values: the core's accounting follows it
+    assert got.embedding_kv == "all"
 
 
 def test_vllm_options_refuse_what_would_be_lost():

@@ -349,6 +349,8 @@ def test_the_plug_in_runs_the_whole_config_it_is_handed(model64):
     try:
         for name in CARRIED:
             assert getattr(eng.policy.config, name) == getattr(cfg, name), name
+        # vLLM writes every scheduled token's keys and values: the core counts them all
+        assert eng.policy.config.embedding_kv == "all"
     finally:
         eng.close()
 

@@ -91,8 +91,10 @@ def test_least_work_router_balances_better_than_round_robin_under_skew():
 
 @pytest.mark.parametrize("raw", [
     {"name": "x", "duration_s": 1.0, "scheduler": {"num_blocks": 4},
+     # four chunks of 512: the first three's keys and values need 96 blocks (a one-chunk
+     # embedding would need none and be served)
      "workload": {"generation_share": 0.0, "arrival": {"process": "closed-loop", "clients": 1},
-                  "embedding_input": {"dist": "fixed", "value": 100}},
+                  "embedding_input": {"dist": "fixed", "value": 2000}},
      "configurations": ["orthrus"]},
     {"name": "x", "duration_s": 1.0,
      "workload": {"generation_share": 0.0, "arrival": {"process": "closed-loop", "clients": 3}},

@@ -1,9 +1,11 @@
 """KV admission: which request may take blocks, the two admission modes, holding blocks back
-for a refused embedding head, and what admitting, releasing and preempting a request does to
-the queues and the block manager (docs/scheduler.md has the invariants)."""
+for a refused embedding head, which keys and values an embedding stores, and what admitting,
+releasing and preempting a request does to the queues and the block manager
+(docs/scheduler.md has the invariants)."""
 
 from __future__ import annotations
 
+from orthrus_sim.engine.batch import BatchItem, ItemKind
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.kv_cache import BlockManager
 from orthrus_sim.engine.queues import EMBEDDING, GENERATION, Queues, insert_in_order
@@ -34,10 +36,11 @@ class KVAdmission(Queues):
                 f"input_len + max_output_tokens = {total} exceeds the model's maximum length "
                 f"{cfg.max_model_len}"
             )
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+        stored = self.embed_kv_tokens(request) if request.is_embedding else total
+        if self.blocks.blocks_for(stored) > self.blocks.num_blocks:
             return (
-                f"{total} tokens need {self.blocks.blocks_for(total)} KV blocks but the cache "
-                f"holds {self.blocks.num_blocks}"
+                f"{stored} tokens of keys and values need {self.blocks.blocks_for(stored)} KV "
+                f"blocks but the cache holds {self.blocks.num_blocks}"
             )
         if request.is_embedding and cfg.chunk_size is None and request.input_len > cfg.token_budget:
             return (
@@ -45,6 +48,28 @@ class KVAdmission(Queues):
                 "embeddings are not chunked (scheduler.chunk_size is null)"
             )
         return None
+
+    def embed_kv_tokens(self, request: Request) -> int:
+        """Tokens of an embedding whose keys and values the cache must hold: those a later
+        chunk of it attends to, i.e. every token before its last chunk, the chunks planned at
+        ``chunk_size`` from where it stands (``embedding_kv: all``: its whole input). Its last
+        chunk attends to its own keys and values inside the pass and stores none, so a
+        one-chunk (or atomic) embedding needs no blocks. A chunk cut shorter than planned (the
+        iteration-time target) moves the last chunk later; ``schedule_embedding`` then grows
+        the blocks (``_embed_chunk_kv``)."""
+        if self.config.embedding_kv == "all":
+            return request.input_len
+        done = request.num_computed
+        left = request.input_len - done
+        size = self.config.chunk_size or left
+        return done + max(0, left - 1) // size * size
+
+    def writes_kv(self, item: BatchItem) -> bool:
+        """Whether ``item`` stores its keys and values in the cache: every item but an
+        embedding's last chunk under ``embedding_kv: read`` (nothing attends to that one's
+        after the pass). Executors write the slots of exactly these items."""
+        return (item.kind is not ItemKind.EMBED_CHUNK or self.config.embedding_kv == "all"
+                or item.end < item.request.input_len)
 
     def _embed_slots_full(self) -> bool:
         cap = self.config.max_num_embeds

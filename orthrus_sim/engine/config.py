@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 WAITING_WORK_MODES = ("prompt", "prompt+output")
 KV_ADMISSION_MODES = ("optimistic", "reserve")
+EMBEDDING_KV_MODES = ("read", "all")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class SchedulerConfig:
         "Iteration-time target"); the executor hands the policy the predictor.
     min_chunk_tokens: the smallest chunk the target cuts a prompt or embedding chunk to (and
         the step it cuts in); a shorter remainder goes whole.
+    embedding_kv: which of an embedding's keys and values are stored in the KV cache:
+        ``"read"`` (the default) only those a later chunk of it attends to, so its last chunk
+        (a one-chunk embedding entirely) holds no blocks and writes nothing; ``"all"`` every
+        token's, as an executor whose attention writes every scheduled token does (the vLLM
+        plug-in: docs/vllm.md). ``KVAdmission.embed_kv_tokens`` has the rule.
     """
 
     token_budget: int = 4096
@@ -49,6 +55,7 @@ class SchedulerConfig:
     kv_admission: str = "optimistic"
     tpot_target_s: float | None = None
     min_chunk_tokens: int = 32
+    embedding_kv: str = "read"
 
     def __post_init__(self) -> None:
         def positive(name: str, value: object) -> None:
@@ -80,6 +87,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduler.kv_admission must be one of {', '.join(KV_ADMISSION_MODES)}, "
                 f"got {self.kv_admission!r}"
+            )
+        if self.embedding_kv not in EMBEDDING_KV_MODES:
+            raise ValueError(
+                f"scheduler.embedding_kv must be one of {', '.join(EMBEDDING_KV_MODES)}, "
+                f"got {self.embedding_kv!r}"
             )
         if self.waiting_work not in WAITING_WORK_MODES:
             raise ValueError(

@@ -109,7 +109,7 @@ class IBSPolicy(Policy):
         head = self.next_embedding()
         if head is None or head.state is not RequestState.WAITING or self._embed_slots_full():
             return
-        need = self.blocks.blocks_for(head.input_len)
+        need = self.blocks.blocks_for(self.embed_kv_tokens(head))
         share = self.blocks.num_blocks * we / (we + wg)
         if self.embedding_blocks() + need <= max(share, need):
             self._hold_back(head.request_id, need)

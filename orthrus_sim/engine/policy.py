@@ -16,9 +16,10 @@ a file: the queues and waiting work (``queues.py``), KV admission in both modes,
 and preemption (``admission.py``), snapshots (``snapshot.py``) and the simulator's decode-run
 fast path (``decode_run.py``). So every policy keeps the same invariants (docs/scheduler.md):
 
-* an embedding reserves blocks for its whole input when its first chunk is scheduled, so once
-  admitted it always completes; an embedding head refused for lack of blocks holds them back
-  from every later admission of that iteration;
+* an embedding reserves blocks for every chunk but its last (``embed_kv_tokens``: the last
+  chunk's keys and values are read in its own pass only, so a one-chunk embedding takes none)
+  when its first chunk is scheduled, so once admitted it always completes; an embedding head
+  refused for lack of blocks holds them back from every later admission of that iteration;
 * a decode that cannot grow takes blocks from the newest *generation* request holding any; it
   never evicts an embedding (it waits for the embedding's blocks instead);
 * an embedding chunk that is offered but does not fit the budget left gets its tokens reserved
@@ -272,7 +273,7 @@ class Policy(KVAdmission, abc.ABC):
             if victim is not None:
                 self._preempt(victim)
                 continue
-            if self._embeds_holding:
+            if self.embedding_blocks():
                 return False  # embeddings give their blocks back within a few iterations
             self._preempt(req)
             return False
@@ -281,16 +282,18 @@ class Policy(KVAdmission, abc.ABC):
     def schedule_embedding(self, batch: BatchUnit, request: Request, now: float) -> int:
         """One chunk of ``request`` (``schedule_one(Qe, B)``): its tokens, or 0 if it cannot go
         this iteration (already in the batch, no request slot, no KV blocks, or the chunk does
-        not fit the budget left: chunks are never split; that one claims the next batch)."""
+        not fit the budget left: chunks are never split; that one claims the next batch).
+        Admission takes the blocks of every chunk but the last (``embed_kv_tokens``)."""
         rid = request.request_id
         if rid in self._in_batch or request.state.is_final:
             return 0
         n = self._embed_chunk_len(request)
         waiting = request.state is RequestState.WAITING
+        need = 0
         if waiting:
             if self._embed_slots_full():
                 return 0
-            need = self.blocks.blocks_for(request.input_len)
+            need = self.blocks.blocks_for(self.embed_kv_tokens(request))
             if not (self._kv_allows(need, rid) and self._reserve_fits(need, rid)):
                 self._hold_back(rid, need)
                 return 0
@@ -298,17 +301,53 @@ class Policy(KVAdmission, abc.ABC):
             if self._budget_claim is None:
                 self._budget_claim = (rid, n)
             if waiting:
-                self._hold_back(rid, self.blocks.blocks_for(request.input_len))
+                self._hold_back(rid, need)
             return 0
         if self.target is not None:
             n = self.target.tokens_within(batch, request, ItemKind.EMBED_CHUNK, n)
             if not n:
                 return 0  # beside these decodes no chunk meets the target: it waits
+        n = self._embed_chunk_kv(request, n, need)
+        if not n:
+            return 0
+        end = request.num_computed + n
+        stores = end if end < request.input_len else 0  # the last chunk stores nothing
         if waiting:
-            self._admit(request, request.input_len, now)
+            self._admit(request, max(self.embed_kv_tokens(request), stores), now)
+        elif not self.blocks.grow(rid, stores):
+            raise RuntimeError(f"request {rid}: embedding chunk scheduled without its blocks")
         batch.add(request, ItemKind.EMBED_CHUNK, n)
         self._in_batch.add(rid)
         return n
+
+    def _embed_chunk_kv(self, request: Request, n: int, need: int) -> int:
+        """Tokens of a chunk of ``n`` whose keys and values (if it is not the last chunk) the
+        cache can hold. Chunks of ``chunk_size`` fit what admission took; a chunk the
+        iteration-time target cut short moves the last chunk later, so a later chunk may need
+        more: the blocks grow where they fit (``need``: what a waiting request's admission
+        takes anyway, else 0); else the chunk ends where its blocks end, and an admitted
+        embedding with none past its start sends its remainder (at most ``chunk_size``
+        tokens) as its last chunk, over the target once, so that it always completes; a
+        waiting one waits."""
+        start = request.num_computed
+        end = start + n
+        if end >= request.input_len or self.config.embedding_kv == "all":
+            return n
+        rid = request.request_id
+        waiting = request.state is RequestState.WAITING
+        base = need if waiting else self.blocks.held(rid)
+        extra = self.blocks.blocks_for(end) - base
+        if extra <= 0:
+            return n
+        if self._kv_allows(need + extra, rid) and self._reserve_fits(need + extra, rid):
+            return n
+        room = base * self.blocks.block_size - start
+        if room > 0:
+            return room
+        if waiting:
+            self._hold_back(rid, need + extra)
+            return 0
+        return request.input_len - start
 
     def schedule_generation(self, batch: BatchUnit, request: Request, now: float) -> int:
         """The next prompt chunk of ``request`` (``schedule_one(Qg, B)``), admitting it if it is

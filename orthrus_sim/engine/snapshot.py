@@ -21,6 +21,7 @@ class PolicySnapshot:
     generation_work: int  # ``wg``
     kv_blocks_used: int
     kv_blocks_total: int
+    kv_blocks_embedding: int  # of the used, those embeddings in flight hold
     credits: dict[str, float] | None  # IBS only
     preemptions: dict[str, int]  # recompute preemptions so far, by kind
     iterations: int
@@ -48,6 +49,7 @@ def take_snapshot(policy: Policy, credits: dict[str, float] | None,
         generations_running=len(policy.running_generations()),
         embedding_work=we, generation_work=wg,
         kv_blocks_used=policy.blocks.num_used, kv_blocks_total=policy.blocks.num_blocks,
+        kv_blocks_embedding=policy.embedding_blocks(),
         credits=credits, preemptions=dict(policy.preemptions),
         iterations=policy.iterations, budget_claim=budget_claim,
     )

@@ -30,7 +30,7 @@ class RunResult:
 def _monitor(env: simpy.Environment, cluster: Cluster, interval: float, rows: list[dict],
              progress: Callable[[float], None] | None, horizon: float | None):
     """Every ``interval``: waiting requests, and per GPU its busy fraction, MFU and MBU over the
-    interval, KV use and requests holding blocks."""
+    interval, KV use (all, and embeddings' share) and requests holding blocks."""
     hw = cluster.hardware
     last = [rep.progress() for rep in cluster.replicas]
     while True:
@@ -44,6 +44,7 @@ def _monitor(env: simpy.Environment, cluster: Cluster, interval: float, rows: li
             row[f"mfu_{i}"] = d.flops / (hw.peak_flops * interval)
             row[f"mbu_{i}"] = d.bytes / (hw.mem_bw * interval)
             row[f"kv_usage_{i}"] = snap.kv_usage
+            row[f"kv_embedding_{i}"] = snap.kv_blocks_embedding / snap.kv_blocks_total
             row[f"running_{i}"] = snap.embeddings_running + snap.generations_running
             last[i] = now
         rows.append(row)
