@@ -36,20 +36,32 @@ COMPARED = (
 )
 
 
-def real_scenario(scenario: Scenario, model_dir: str, adapter_rank: int | None, calibration: str,
-                  kv_cache_tokens: int) -> Scenario:
-    """The scenario as the simulator must see this machine: one device with the calibration's
-    hardware entry, this model and adapter rank, the engine's KV capacity."""
+def real_scenario(scenario: Scenario, model_dir: str, adapter_rank: int | None,
+                  calibration: str | None, kv_cache_tokens: int, gpus: int = 1,
+                  configurations: list[str] | None = None, router: str | None = None) -> Scenario:
+    """The scenario as the simulator must see this machine: ``gpus`` devices (one engine
+    each: a cluster of replicas when more than one) with the calibration's hardware entry,
+    this model and adapter rank, each engine's KV capacity."""
+    from orthrus_real.cluster.replicas import check_configuration
     from orthrus_sim.costmodel import load_calibration
 
-    bad = [c for c in scenario.configurations if not is_unified(c)]
-    if bad:
-        raise ValueError(f"validate runs one engine on this machine; configurations {bad} need "
-                         "several devices (use orthrus, unified-hetero, unified-homo or unified:<policy>)")
     raw = scenario_dump(scenario)
-    raw.update(hardware=load_calibration(calibration).hardware, model=model_dir,
-               calibration=str(Path(calibration).resolve()))
-    raw["cluster"]["gpus"] = 1
+    if configurations:
+        raw["configurations"] = configurations
+    bad = [c for c in raw["configurations"] if not is_unified(c)]
+    if bad and gpus == 1:
+        raise ValueError(f"configurations {bad} need several devices: one engine each (set "
+                         "cluster.gpus, or use orthrus, unified-hetero, unified-homo or "
+                         "unified:<policy>)")
+    for c in bad:
+        check_configuration(c)
+    raw.update(model=model_dir)
+    if calibration:
+        raw.update(hardware=load_calibration(calibration).hardware,
+                   calibration=str(Path(calibration).resolve()))
+    raw["cluster"]["gpus"] = gpus
+    if router:
+        raw["cluster"]["router"] = router
     raw["embedding"]["lora_rank"] = adapter_rank
     raw["scheduler"]["num_blocks"] = kv_cache_tokens // raw["scheduler"]["block_size"]
     return parse_scenario(raw, "scenario (as validated on this machine)")
