@@ -91,3 +91,16 @@ def _device(entry: str, text: str, cuda_count: int) -> Device:
         return Device("cuda", index)
     cpus = parse_cpus(rest, f"--devices ({entry})") if rest else None
     return Device("cpu", cpus=frozenset(cpus) if cpus else None)
+
+
+def split_cpus(text: str, replicas: int) -> str:
+    """``--devices`` for ``replicas`` replicas from one CPU set (``0-3`` -> ``cpu:0-1,cpu:2-3``),
+    or ``text`` as it is when it already names devices."""
+    if text.split(":", 1)[0] in KINDS:
+        return text
+    cpus = sorted(parse_cpus(text, "--engine-cpus") or ())
+    if len(cpus) < replicas:
+        raise ValueError(f"--engine-cpus {text!r}: {len(cpus)} CPU(s) for {replicas} replicas; give "
+                         "at least one each, or devices (cpu:0,cpu:0 to share one)")
+    each = len(cpus) // replicas
+    return ",".join(f"cpu:{cpus_text(cpus[i * each:(i + 1) * each])}" for i in range(replicas))

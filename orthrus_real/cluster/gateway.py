@@ -58,6 +58,7 @@ class Gateway:
         self.auto_restart = auto_restart
         self.start_timeout = start_timeout
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.owns_replicas = True  # stops them when it exits (Ray Serve stops its own)
         self.draining = False  # DrainingServer's protocol (as an EngineThread's)
         self.failed = None
         self.outstanding = 0  # requests in flight through the gateway
@@ -162,8 +163,7 @@ class Gateway:
                     len(replica.flights))
         for task in list(replica.flights):
             task.cancel(f"replica {replica.index} went down: {reason}")
-        if replica.exited() is None:  # hung: make sure it is gone before a restart
-            replica.process.kill()
+        replica.kill()  # if it hangs: gone before a restart
 
     async def restart(self, replica: Replica) -> None:
         """Drain and stop the replica if it runs, start it again, route to it once ready."""
@@ -187,6 +187,21 @@ class Gateway:
         finally:
             self.restarting.discard(replica.index)
 
+    async def attach(self) -> None:
+        """Wait for every replica not up yet (Ray Serve starts its own), then route to them."""
+        waiting = [r for r in self.replicas if not r.up]
+        await asyncio.gather(*(asyncio.to_thread(r.wait_ready, self.start_timeout)
+                               for r in waiting))
+        self.reroute()
+
+    async def drain(self, timeout: float = 300.0) -> int:
+        """No new requests; wait (at most ``timeout``) for those in flight; how many are left."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.outstanding and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.outstanding
+
     async def monitor(self) -> None:
         """Every 0.2 s: a replica whose process exited goes down; every second each one up is
         probed (``HEALTH_FAILURES`` failed probes in a row: down); with auto-restart, a replica
@@ -209,6 +224,9 @@ class Gateway:
         try:
             r = await self.client.get(replica.url + "/health", timeout=2.0, headers=self.headers)
             ok = r.status_code == 200 or (r.status_code == 503 and "draining" in r.text)
+        except httpx.ConnectError as exc:  # nothing listens: down now
+            self.take_down(replica, f"refused a connection ({exc})")
+            return
         except httpx.HTTPError:
             ok = False
         n = 0 if ok else self._probe_failures.get(replica.index, 0) + 1
@@ -329,6 +347,10 @@ class Flight:
             self.queue.put_nowait(("retry" if refused else "error", reason))
             if replica.exited() is not None:
                 gw.take_down(replica, f"its process exited with code {replica.exited()}")
+            elif refused:  # nothing listens there any more
+                gw.take_down(replica, reason)
+            else:
+                asyncio.get_running_loop().create_task(gw._probe(replica))
         finally:
             replica.flights.discard(self.task)
             replica.outstanding_work -= work
@@ -386,6 +408,7 @@ def create_gateway_app(gateway: Gateway, max_body_bytes: int = 1 << 20,
                                            limits=httpx.Limits(max_connections=4096,
                                                                max_keepalive_connections=256),
                                            headers=gateway.headers)
+        await gateway.attach()
         await gateway.load_models()
         watch = asyncio.create_task(gateway.monitor())
         try:
@@ -393,8 +416,9 @@ def create_gateway_app(gateway: Gateway, max_body_bytes: int = 1 << 20,
         finally:  # after uvicorn drained the gateway: each replica drains and exits
             watch.cancel()
             await gateway.client.aclose()
-            log.info("stopping %d replica(s)", len(gateway.replicas))
-            await asyncio.to_thread(stop_all, gateway.replicas)
+            if gateway.owns_replicas:
+                log.info("stopping %d replica(s)", len(gateway.replicas))
+                await asyncio.to_thread(stop_all, gateway.replicas)
 
     app = FastAPI(title="Orthrus cluster", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)

@@ -183,10 +183,17 @@ class Replica:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def sized(self, num_blocks: int, block_size: int) -> None:
-        """The engine's own KV capacity replaces the plan's (the rules that count blocks)."""
-        self.policy.config = replace(self.spec.plan.config, num_blocks=num_blocks,
-                                     block_size=block_size)
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def ready(self, engine: dict) -> None:
+        """The engine answered (``/engine``): routed to from now on, its own KV capacity in
+        place of the plan's (the rules that count blocks)."""
+        self.engine = engine
+        self.policy.config = replace(self.spec.plan.config, num_blocks=engine["num_blocks"],
+                                     block_size=engine["block_size"])
+        self.up = True
 
     # ----- the process ----------------------------------------------------------------------
     def start(self, opts: ServeOptions) -> None:
@@ -226,14 +233,17 @@ class Replica:
             try:
                 r = httpx.get(self.url + "/engine", timeout=2, headers=self._headers)
                 if r.status_code == 200:
-                    self.engine = r.json()
-                    self.sized(self.engine["num_blocks"], self.engine["block_size"])
-                    self.up = True
+                    self.ready(r.json())
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"replica {self.index} did not become ready within {timeout:.0f} s")
+
+    def kill(self) -> None:
+        """End a replica that stopped answering (before it is started again)."""
+        if self.exited() is None:
+            self.process.kill()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
         """Signal the process and wait for it (SIGTERM drains it: requests in flight finish)."""
@@ -258,7 +268,7 @@ class Replica:
     def status(self) -> dict:
         return {"replica": self.index, "role": self.role, "device": str(self.spec.device),
                 "policy": self.spec.plan.policy, "up": self.up,
-                "pid": self.process.pid if self.process else None, "url": self.url,
+                "pid": self.pid, "url": self.url,
                 "outstanding_tokens": self.outstanding_work, "in_flight": len(self.flights),
                 "restarts": self.restarts, "last_exit": self.last_exit,
                 "kv_cache": self.engine.get("kv_cache")}

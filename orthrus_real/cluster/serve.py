@@ -100,27 +100,39 @@ def start_replicas(replicas: list[Replica], opts: ServeOptions, timeout: float) 
         raise
 
 
-def build_cluster(scenario: Scenario, configuration: str, args: ClusterArgs, opts: ServeOptions):
-    """The replicas (started and ready) and their gateway."""
+def make_replicas(scenario: Scenario, configuration: str, args: ClusterArgs,
+                  replica_type=Replica, **extra) -> list[Replica]:
+    """The replicas of the plan (not started), each with the cost model the simulator gives
+    it (what the rules that predict read)."""
     import torch
 
-    from orthrus_real.cluster.gateway import Gateway
     from orthrus_sim.costmodel import get_hardware
     from orthrus_sim.costmodel.factors import apply_factors
-    from orthrus_sim.experiment.plan import coefficients, cost_factors, plan_configuration
+    from orthrus_sim.experiment.plan import coefficients, cost_factors
 
     devices = parse_devices(args.devices, scenario.cluster.gpus,
                             torch.cuda.device_count() if torch.cuda.is_available() else 0)
     specs = plan_replicas(scenario, configuration, devices, args.threads, args.adapter)
     hardware = get_hardware(scenario.hardware)
     coeffs, factors = coefficients(scenario), cost_factors(scenario)
+    return [replica_type(s, cost=apply_factors(s.plan.cost_model(hardware, coeffs), factors),
+                         **extra) for s in specs]
 
-    replicas = [Replica(s, cost=apply_factors(s.plan.cost_model(hardware, coeffs), factors))
-                for s in specs]
-    unified = plan_configuration(scenario, configuration)[0].config
-    gateway = Gateway(replicas, opts, scenario.cluster.router, unified.tpot_target_s,
-                      scenario.cluster.adaptive_pack, args.auto_restart, opts.api_key,
-                      args.start_timeout)
+
+def make_gateway(scenario: Scenario, replicas: list[Replica], opts: ServeOptions,
+                 auto_restart: bool, start_timeout: float):
+    """The gateway over ``replicas`` with the scenario's routing rule."""
+    from orthrus_real.cluster.gateway import Gateway
+
+    target = replicas[0].spec.plan.config.tpot_target_s
+    return Gateway(replicas, opts, scenario.cluster.router, target, scenario.cluster.adaptive_pack,
+                   auto_restart, opts.api_key, start_timeout)
+
+
+def build_cluster(scenario: Scenario, configuration: str, args: ClusterArgs, opts: ServeOptions):
+    """The replicas (started and ready) and their gateway."""
+    replicas = make_replicas(scenario, configuration, args)
+    gateway = make_gateway(scenario, replicas, opts, args.auto_restart, args.start_timeout)
     log.info("cluster: %s on %d replica(s), router %s", configuration, len(replicas),
              gateway.router.rule)
     start_replicas(replicas, opts, args.start_timeout)
