@@ -34,15 +34,22 @@ def devices_arg() -> str:
 
 
 class Cluster:
-    def __init__(self, model, *args: str) -> None:
+    """``orthrus-real serve --replicas N`` in a child process, healthy."""
+
+    def __init__(self, model, *args: str, replicas: int = 2, devices: str | None = None,
+                 start_timeout: float = 120.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orthrus_real.cli", "serve", "--model", str(model), "--port",
-             str(self.port), "--replicas", "2", "--devices", devices_arg(), "--threads", "1",
-             "--kv-cache-tokens", "8192", *args],
+             str(self.port), "--replicas", str(replicas), "--devices", devices or devices_arg(),
+             "--threads", "1", "--kv-cache-tokens", "8192", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        wait_healthy(self.url, 120.0, self.proc)
+        try:
+            wait_healthy(self.url, start_timeout, self.proc)
+        except RuntimeError:
+            print(self.close()[-5000:])
+            raise
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()

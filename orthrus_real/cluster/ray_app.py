@@ -208,8 +208,12 @@ def prepare_ray(address: str, scenario, configuration: str, args, opts: ServeOpt
         import ray
         from ray import serve
 
-        ray.init(address=None if address == "local" else address, include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=True)
+        local = address == "local"
+        # a local instance offers this machine's cores, or as many as the replicas ask for
+        # (replicas given the same core share it, as without Ray)
+        cpus = max(os.cpu_count() or 1, sum(ray_resources(r.spec)["num_cpus"] for r in replicas))
+        ray.init(address=None if local else address, num_cpus=cpus if local else None,
+                 include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
         serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
         log.info("cluster: %s on %d Ray Serve replica(s), router %s", configuration,
                  len(replicas), scenario.cluster.router)
