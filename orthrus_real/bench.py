@@ -394,8 +394,15 @@ async def bench(url: str, scenario: Scenario, label: str = "measured", token_ran
         async def scrape() -> str:
             return (await client.get("/metrics")).text
 
-        return await measure(HttpTransport(client, model), scenario, label, token_range, scrape,
-                             on_progress)
+        doc, rows = await measure(HttpTransport(client, model), scenario, label, token_range,
+                                  scrape, on_progress)
+        replicas = len((await client.get("/health")).json().get("replicas", [None]))
+        if replicas != scenario.cluster.gpus:  # the simulated run would place another cluster
+            doc["runs"][0]["metrics"]["warnings"].append(
+                f"the server at {url} runs {replicas} replica(s) but the scenario's cluster.gpus "
+                f"is {scenario.cluster.gpus}: set it (--set cluster.gpus={replicas}) to compare "
+                "with the simulator")
+        return doc, rows
 
 
 async def bench_in_process(runner, metrics, scenario: Scenario, label: str = "measured",
