@@ -118,7 +118,8 @@ def serve(
     scenario: str = typer.Option(None, "--scenario", help="take the policy and scheduler knobs from "
                                  "this scenario's plan (replaces --policy and the knobs above)"),
     configuration: str = typer.Option(None, "--configuration", help="with --scenario: the unified "
-                                      "configuration to serve (default: its first)"),
+                                      "configuration to serve (default: its first); with "
+                                      "--replicas also dedicated-E:G"),
     set_: list[str] = typer.Option([], "--set", help="override a field: with --scenario any "
                                    "scenario field, else scheduler.FIELD=VALUE"),
     kv_cache_tokens: int = typer.Option(32768, help="KV-cache capacity in tokens"),

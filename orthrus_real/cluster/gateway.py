@@ -65,6 +65,7 @@ class Gateway:
         self.routed: dict[tuple[int, str], int] = {}
         self.restarting: set[int] = set()
         self._probe_failures: dict[int, int] = {}
+        self._tasks: set[asyncio.Task] = set()  # background restarts and probes, kept alive
         self.models: list[dict] = []
         self.client: httpx.AsyncClient | None = None
         self.tokenizer = _tokenizer(opts.model)
@@ -151,6 +152,12 @@ class Gateway:
         return Response(data, status_code=status, media_type=media_type, headers=which)
 
     # ----- replicas up and down -------------------------------------------------------------
+    def background(self, coro) -> None:
+        """Run ``coro`` as a task the gateway holds until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def take_down(self, replica: Replica, reason: str) -> None:
         """Out of routing now; its requests in flight end with an error naming ``reason``."""
         if not replica.up:
@@ -214,7 +221,7 @@ class Gateway:
                     self.take_down(r, f"its process exited with code {code}")
                 if (self.auto_restart and not r.up and r.index not in self.restarting
                         and not self.draining):
-                    asyncio.create_task(self.restart(r))
+                    self.background(self.restart(r))
             if time.monotonic() - last_probe >= HEALTH_EVERY_S:
                 last_probe = time.monotonic()
                 await asyncio.gather(*(self._probe(r) for r in self.replicas if r.up))
@@ -350,7 +357,7 @@ class Flight:
             elif refused:  # nothing listens there any more
                 gw.take_down(replica, reason)
             else:
-                asyncio.get_running_loop().create_task(gw._probe(replica))
+                gw.background(gw._probe(replica))
         finally:
             replica.flights.discard(self.task)
             replica.outstanding_work -= work
@@ -502,7 +509,7 @@ def create_gateway_app(gateway: Gateway, max_body_bytes: int = 1 << 20,
                                   code="draining")
         if index in gateway.restarting:
             return JSONResponse({"replica": index, "status": "restarting"}, status_code=202)
-        asyncio.create_task(gateway.restart(replica))
+        gateway.background(gateway.restart(replica))
         return JSONResponse({"replica": index, "status": "restarting"}, status_code=202)
 
     return app
