@@ -242,12 +242,10 @@ def test_least_work_sends_a_burst_to_the_idle_replica(lw_cluster):
     assert [r.headers[REPLICA] for r in burst] == ["1"] * 5
 
 
-def test_a_killed_replica_fails_its_requests_the_other_serves_and_comes_back(lw_cluster):
-    url = lw_cluster.url
-    victim = lw_cluster.health()["replicas"][0]
-
+def kill_mid_stream(url: str, victim: dict) -> dict:
+    """A long stream to the replica ``victim`` (killed at its third token) beside a short one to
+    the next replica: ``{replica: (chunks, the error event or None)}``."""
     async def stream(c, n):
-        """(replica, chunks, the error event or None)"""
         async with c.stream("POST", "/v1/completions", json=gen([7] * 8, n, stream=True)) as r:
             where, chunks, error = r.headers[REPLICA], 0, None
             async for line in r.aiter_lines():
@@ -255,10 +253,10 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_and_comes_back(lw_
                     doc = json.loads(line[6:])
                     if "error" in doc:
                         error = doc["error"]
-                    else:
-                        chunks += 1
-                        if where == "0" and chunks == 3:
-                            os.kill(victim["pid"], signal.SIGKILL)
+                        continue
+                    chunks += 1
+                    if where == str(victim["replica"]) and chunks == 3:
+                        os.kill(victim["pid"], signal.SIGKILL)
             return where, chunks, error
 
     async def go():
@@ -266,8 +264,15 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_and_comes_back(lw_
         async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(15.0)) as c:
             return await asyncio.gather(stream(c, 2000), stream(c, 60))
 
-    (w0, n0, err0), (w1, n1, err1) = asyncio.run(go())
-    assert (w0, w1) == ("0", "1")
+    return {where: (chunks, error) for where, chunks, error in asyncio.run(go())}
+
+
+def test_a_killed_replica_fails_its_requests_the_other_serves_and_comes_back(lw_cluster):
+    url = lw_cluster.url
+    victim = lw_cluster.health()["replicas"][0]
+    results = kill_mid_stream(url, victim)
+    assert sorted(results) == ["0", "1"]
+    (n0, err0), (n1, err1) = results["0"], results["1"]
     assert err0["code"] == "replica_failed" and "replica 0" in err0["message"] and n0 < 2000
     assert err1 is None and n1 == 60  # the other replica's stream finished in full
     for _ in range(50):  # the monitor sees the exit within a fraction of a second

@@ -5,8 +5,6 @@ the other serves on and Ray Serve brings it back, SIGTERM drains."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 import time
@@ -18,7 +16,7 @@ pytest.importorskip("torch")
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.ray_serve
 
-from tests.test_cluster import REPLICA, Cluster, gen  # noqa: E402
+from tests.test_cluster import REPLICA, Cluster, gen, kill_mid_stream  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -51,26 +49,7 @@ def test_ray_routes_by_kind_round_robin_and_each_side_refuses_the_other(ray_clus
 def test_ray_replica_killed_mid_stream_fails_its_request_and_ray_brings_it_back(ray_cluster):
     url = ray_cluster.url
     victim = ray_cluster.health()["replicas"][1]
-
-    async def stream(c, n):
-        async with c.stream("POST", "/v1/completions", json=gen([7] * 8, n, stream=True)) as r:
-            where, chunks, error = r.headers[REPLICA], 0, None
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    doc = json.loads(line[6:])
-                    if "error" in doc:
-                        error = doc["error"]
-                        continue
-                    chunks += 1
-                    if where == "1" and chunks == 3:
-                        os.kill(victim["pid"], signal.SIGKILL)
-            return where, chunks, error
-
-    async def go():
-        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(15.0)) as c:
-            return await asyncio.gather(stream(c, 2000), stream(c, 60))
-
-    results = {w: (n, e) for w, n, e in asyncio.run(go())}
+    results = kill_mid_stream(url, victim)
     assert results["1"][1]["code"] == "replica_failed" and results["1"][0] < 2000
     assert results["2"] == (60, None)
     with httpx.Client(base_url=url, timeout=60) as c:
