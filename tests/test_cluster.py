@@ -194,23 +194,34 @@ def test_admin_restart_drains_and_restarts_a_live_replica(rr_cluster):
         assert seen == {"0", "1"}
 
 
-def test_sigterm_drains_the_cluster(rr_cluster):
-    """Last on this cluster: the stream in flight finishes, new requests get 503, then the
-    gateway and both replicas exit."""
-    url = rr_cluster.url
-    pids = [r["pid"] for r in rr_cluster.health()["replicas"]]
+def sigterm_mid_stream(cluster: Cluster, n: int) -> int:
+    """SIGTERM the cluster while a stream of ``n`` tokens is in flight; new requests must then
+    get 503 draining. Returns the stream's chunks."""
     chunks = 0
-    with httpx.stream("POST", url + "/v1/completions", json=gen([5] * 20, 400, stream=True),
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=gen([5] * 20, n, stream=True),
                       timeout=120) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunks += 1
             if chunks == 2:
-                rr_cluster.proc.send_signal(signal.SIGTERM)
-                late = httpx.post(url + "/v1/embeddings", json={"input": "x"}, timeout=10)
-                assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
-                assert httpx.get(url + "/health", timeout=10).json()["status"] == "draining"
+                cluster.proc.send_signal(signal.SIGTERM)
+                for _ in range(100):  # under Ray the signal reaches the gateway through Ray
+                    late = httpx.post(cluster.url + "/v1/embeddings", json={"input": "x"},
+                                      timeout=10)
+                    if late.status_code == 503:
+                        break
+                    time.sleep(0.05)
+                assert late.json()["error"]["code"] == "draining"
+                assert httpx.get(cluster.url + "/health", timeout=10).json()["status"] == "draining"
+    return chunks
+
+
+def test_sigterm_drains_the_cluster(rr_cluster):
+    """Last on this cluster: the stream in flight finishes, new requests get 503, then the
+    gateway and both replicas exit."""
+    pids = [r["pid"] for r in rr_cluster.health()["replicas"]]
+    chunks = sigterm_mid_stream(rr_cluster, 400)
     assert chunks == 400
     assert rr_cluster.proc.wait(60) in (0, -signal.SIGTERM)
     log = rr_cluster.close()

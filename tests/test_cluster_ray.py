@@ -6,7 +6,6 @@ the other serves on and Ray Serve brings it back, SIGTERM drains."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import httpx
@@ -16,7 +15,7 @@ pytest.importorskip("torch")
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.ray_serve
 
-from tests.test_cluster import REPLICA, Cluster, gen, kill_mid_stream  # noqa: E402
+from tests.test_cluster import REPLICA, Cluster, gen, kill_mid_stream, sigterm_mid_stream  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -66,22 +65,7 @@ def test_ray_replica_killed_mid_stream_fails_its_request_and_ray_brings_it_back(
 
 
 def test_ray_sigterm_drains(ray_cluster):
-    url = ray_cluster.url
-    chunks = 0
-    with httpx.stream("POST", url + "/v1/completions", json=gen([5] * 20, 300, stream=True),
-                      timeout=120) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunks += 1
-            if chunks == 2:
-                ray_cluster.proc.send_signal(signal.SIGTERM)
-                for _ in range(100):  # the signal reaches the gateway through Ray
-                    late = httpx.post(url + "/v1/embeddings", json={"input": "x"}, timeout=10)
-                    if late.status_code == 503:
-                        break
-                    time.sleep(0.05)
-                assert late.json()["error"]["code"] == "draining"
+    chunks = sigterm_mid_stream(ray_cluster, 300)
     assert chunks == 300
     assert ray_cluster.proc.wait(120) == 0
     assert "stopped" in ray_cluster.close()
