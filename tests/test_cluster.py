@@ -107,6 +107,23 @@ def test_placement_is_the_simulators_plan_and_disagg_is_refused(tiny_models):
         plan_replicas(sc, "disagg-pd-1:1", [Device("cpu")] * 2, 1, None)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--replicas", "2", "--configuration", "disagg-pd-1:1"], "KV transfer between engines"),
+    (["--replicas", "3", "--configuration", "dedicated-1:1"], "uses 2 GPUs but cluster.gpus is 3"),
+    (["--replicas", "2", "--devices", "cpu:0,cpu:0,cpu:0"], "names 3 devices for --replicas 2"),
+    (["--replicas", "2", "--router", "fastest"], "cluster.router"),
+])
+def test_serve_replicas_refuses_bad_options_before_starting_anything(tiny_models, args, message):
+    from typer.testing import CliRunner
+
+    from orthrus_real.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "--model", str(tiny_models["llama"]), "--port",
+                                   str(free_port()), *args])
+    assert res.exit_code == 2 and message in res.output, res.output
+
+
 def test_metrics_merge_labels_each_replica_and_sums_back():
     text = ('# HELP x_total x\n# TYPE x_total counter\nx_total 2.0\n'
             '# HELP h h\n# TYPE h gauge\nh{kind="e"} 1.0\n')

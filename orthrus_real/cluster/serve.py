@@ -37,6 +37,8 @@ class ClusterArgs:
 def cluster_from_cli(o: dict, chunk: int | str | None):
     """``serve``'s options (by name) -> a function that runs the cluster: the replicas are
     started and ready when this returns (errors raise ValueError/RuntimeError first)."""
+    if o["replicas"] is not None and o["replicas"] < 1:
+        raise ValueError(f"--replicas must be >= 1, got {o['replicas']}")
     opts = ServeOptions(str(o["model"]), o["kv_cache_tokens"], o["max_queued"], o["max_body_bytes"],
                         o["served_model_name"], o["pooling"], o["dtype"], o["backend"],
                         o["max_inputs_per_request"], o["calibration"],
