@@ -303,23 +303,40 @@ def histogram_summary(before: dict, after: dict, name: str, labels: str) -> dict
 
 
 def engine_metrics(before: dict, after: dict, window_s: float, peak_flops: float | None) -> dict:
-    """Utilisation, budget fill, iterations, preemptions and admission waits over a window."""
-    def delta(key: str) -> float:
-        return after.get(key, 0.0) - before.get(key, 0.0)
+    """Utilisation, budget fill, iterations, preemptions and admission waits over a window;
+    a cluster's (samples labelled ``replica``: ``orthrus-real serve --replicas``) summed over
+    its replicas, with each replica's busy fraction and MFU in ``per_gpu`` (busy and MFU: the
+    replicas' mean, as the simulator reports them)."""
+    from orthrus_real.cluster.metrics_text import replica_roles, sum_replicas
+
+    roles = replica_roles(after)
+    before, before_each = sum_replicas(before)
+    after, after_each = sum_replicas(after)
+
+    def delta(key: str, a: dict = after, b: dict = before) -> float:
+        return a.get(key, 0.0) - b.get(key, 0.0)
 
     span = max(window_s, 1e-12)
-    busy = delta("orthrus_busy_seconds_total") / span
-    flops = delta("orthrus_model_flops_total")
-    mfu = flops / (peak_flops * span) if peak_flops and flops else None
-    iterations = delta("orthrus_iterations_total")
+    per_gpu = []
+    for i, a in sorted(after_each.items()):
+        b = before_each.get(i, {})
+        flops = delta("orthrus_model_flops_total", a, b)
+        per_gpu.append({"replica": i, "role": roles.get(i, "unified"),
+                        "busy": delta("orthrus_busy_seconds_total", a, b) / span,
+                        "mfu": flops / (peak_flops * span) if peak_flops and flops else None,
+                        "iterations": int(delta("orthrus_iterations_total", a, b)),
+                        "preemptions": {k: int(delta(f'orthrus_preemptions_total{{kind="{k}"}}', a, b))
+                                        for k in ("embedding", "generation")}})
+    n = max(len(per_gpu), 1)
+    busy = sum(g["busy"] for g in per_gpu) / n
+    mfus = [g["mfu"] for g in per_gpu if g["mfu"] is not None]
     preemptions = {k: int(delta(f'orthrus_preemptions_total{{kind="{k}"}}'))
                    for k in ("embedding", "generation")}
     return {
-        "utilization": {"busy": busy, "idle_gpu_s": span * (1 - busy), "mfu": mfu, "mbu": None,
-                        "per_gpu": [{"replica": 0, "role": "unified", "busy": busy, "mfu": mfu,
-                                     "iterations": int(iterations), "preemptions": preemptions}]},
+        "utilization": {"busy": busy, "idle_gpu_s": span * (n - sum(g["busy"] for g in per_gpu)),
+                        "mfu": sum(mfus) / n if mfus else None, "mbu": None, "per_gpu": per_gpu},
         "budget_fill": delta("orthrus_budget_fill_sum") / max(delta("orthrus_budget_fill_count"), 1),
-        "iterations": int(iterations),
+        "iterations": int(delta("orthrus_iterations_total")),
         "preemptions": preemptions,
         "admission_wait_s": {k: histogram_summary(before, after, "orthrus_admission_wait_seconds",
                                                   f'kind="{k}"') for k in ("embedding", "generation")},
@@ -377,8 +394,15 @@ async def bench(url: str, scenario: Scenario, label: str = "measured", token_ran
         async def scrape() -> str:
             return (await client.get("/metrics")).text
 
-        return await measure(HttpTransport(client, model), scenario, label, token_range, scrape,
-                             on_progress)
+        doc, rows = await measure(HttpTransport(client, model), scenario, label, token_range,
+                                  scrape, on_progress)
+        replicas = len((await client.get("/health")).json().get("replicas", [None]))
+        if replicas != scenario.cluster.gpus:  # the simulated run would place another cluster
+            doc["runs"][0]["metrics"]["warnings"].append(
+                f"the server at {url} runs {replicas} replica(s) but the scenario's cluster.gpus "
+                f"is {scenario.cluster.gpus}: set it (--set cluster.gpus={replicas}) to compare "
+                "with the simulator")
+        return doc, rows
 
 
 async def bench_in_process(runner, metrics, scenario: Scenario, label: str = "measured",

@@ -118,7 +118,8 @@ def serve(
     scenario: str = typer.Option(None, "--scenario", help="take the policy and scheduler knobs from "
                                  "this scenario's plan (replaces --policy and the knobs above)"),
     configuration: str = typer.Option(None, "--configuration", help="with --scenario: the unified "
-                                      "configuration to serve (default: its first)"),
+                                      "configuration to serve (default: its first); with "
+                                      "--replicas also dedicated-E:G"),
     set_: list[str] = typer.Option([], "--set", help="override a field: with --scenario any "
                                    "scenario field, else scheduler.FIELD=VALUE"),
     kv_cache_tokens: int = typer.Option(32768, help="KV-cache capacity in tokens"),
@@ -144,8 +145,22 @@ def serve(
                                       "carries decodes may take (predicted; needs --calibration)"),
     calibration: str = typer.Option(None, "--calibration", help="cost model fitted to this "
                                     "engine (`orthrus-real calibrate`): predicts iteration times"),
+    replicas: int = typer.Option(None, "--replicas", help="run this many engine replicas behind "
+                                 "one endpoint, placed as the simulator's plan places "
+                                 "--configuration (docs/cluster.md)"),
+    devices: str = typer.Option(None, "--devices", help="with --replicas: each replica's device, "
+                                "cuda:0,cuda:1 or cpu:0,cpu:1 (CPU core sets: cpu:0-1,cpu:2-3)"),
+    router: str = typer.Option(None, "--router", help="with --replicas: the routing rule "
+                               "(orthrus_sim.experiment.routing.ROUTERS; default the scenario's "
+                               "cluster.router, round-robin)"),
+    auto_restart: bool = typer.Option(False, "--auto-restart", help="with --replicas: start a "
+                                      "replica that died again by itself"),
+    ray: str = typer.Option(None, "--ray", help="serve the replicas as a Ray Serve application: "
+                            "local (a Ray instance of this process) or auto / ray://HOST:PORT (a "
+                            "running Ray cluster)"),
 ) -> None:
-    """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine.
+    """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine (or from
+    --replicas N engines behind one endpoint).
 
     Logs what it loaded, then 'orthrus ready: http://HOST:PORT' once it accepts requests.
     """
@@ -161,23 +176,31 @@ def serve(
         pin_process(pinned)
         threads = threads or len(pinned or ())
         setup_logging(log_level)
+        run_cluster = None
         if max_model_len is not None:  # a field like any other: one path for every override
             set_ = [*set_, f"scheduler.max_model_len={max_model_len}"]
         if tpot_target is not None:
             set_ = [*set_, f"scheduler.tpot_target_s={tpot_target}"]
         check_max_model_len(str(model), max_model_len)
         sock = bind_socket(host, port)  # before the model loads: a taken port fails at once
-        policy, sched, scenario_calibration = _settings(scenario, configuration, set_, policy,
-                                                        token_budget, chunk_size, max_num_seqs)
-        calibration = calibration or scenario_calibration  # a scenario's target: its cost model
-        app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
-                             policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
-                             served_model_name, device, dtype, pooling, threads, backend, api_key,
-                             max_inputs_per_request, calibration=calibration)
+        if replicas is not None or devices or router or ray or auto_restart:
+            from orthrus_real.cluster.serve import cluster_from_cli
+
+            run_cluster = cluster_from_cli(locals(), _chunk(chunk_size))
+        else:
+            policy, sched, scenario_calibration = _settings(scenario, configuration, set_, policy,
+                                                            token_budget, chunk_size, max_num_seqs)
+            calibration = calibration or scenario_calibration  # a scenario's target: its model
+            app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
+                                 policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
+                                 served_model_name, device, dtype, pooling, threads, backend,
+                                 api_key, max_inputs_per_request, calibration=calibration)
     except (ValueError, RuntimeError) as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
+    if run_cluster is not None:
+        return run_cluster()
     run_server(app_, runner, host, port, sock=sock, log_level=log_level)
 
 

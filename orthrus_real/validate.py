@@ -36,20 +36,32 @@ COMPARED = (
 )
 
 
-def real_scenario(scenario: Scenario, model_dir: str, adapter_rank: int | None, calibration: str,
-                  kv_cache_tokens: int) -> Scenario:
-    """The scenario as the simulator must see this machine: one device with the calibration's
-    hardware entry, this model and adapter rank, the engine's KV capacity."""
+def real_scenario(scenario: Scenario, model_dir: str, adapter_rank: int | None,
+                  calibration: str | None, kv_cache_tokens: int, gpus: int = 1,
+                  configurations: list[str] | None = None, router: str | None = None) -> Scenario:
+    """The scenario as the simulator must see this machine: ``gpus`` devices (one engine
+    each: a cluster of replicas when more than one) with the calibration's hardware entry,
+    this model and adapter rank, each engine's KV capacity."""
+    from orthrus_real.cluster.replicas import check_configuration
     from orthrus_sim.costmodel import load_calibration
 
-    bad = [c for c in scenario.configurations if not is_unified(c)]
-    if bad:
-        raise ValueError(f"validate runs one engine on this machine; configurations {bad} need "
-                         "several devices (use orthrus, unified-hetero, unified-homo or unified:<policy>)")
     raw = scenario_dump(scenario)
-    raw.update(hardware=load_calibration(calibration).hardware, model=model_dir,
-               calibration=str(Path(calibration).resolve()))
-    raw["cluster"]["gpus"] = 1
+    if configurations:
+        raw["configurations"] = configurations
+    bad = [c for c in raw["configurations"] if not is_unified(c)]
+    if bad and gpus == 1:
+        raise ValueError(f"configurations {bad} need several devices: one engine each (set "
+                         "cluster.gpus, or use orthrus, unified-hetero, unified-homo or "
+                         "unified:<policy>)")
+    for c in bad:
+        check_configuration(c)
+    raw.update(model=model_dir)
+    if calibration:
+        raw.update(hardware=load_calibration(calibration).hardware,
+                   calibration=str(Path(calibration).resolve()))
+    raw["cluster"]["gpus"] = gpus
+    if router:
+        raw["cluster"]["router"] = router
     raw["embedding"]["lora_rank"] = adapter_rank
     raw["scheduler"]["num_blocks"] = kv_cache_tokens // raw["scheduler"]["block_size"]
     return parse_scenario(raw, "scenario (as validated on this machine)")
@@ -92,7 +104,13 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
            "--threads", str(threads), "--backend", backend]
     if adapter_dir:
         cmd += ["--embedding-adapter", adapter_dir]
-    if engine_cpus:
+    if sc.cluster.gpus > 1:  # a cluster: one engine process per replica behind one endpoint
+        from orthrus_real.cluster.devices import split_cpus
+
+        cmd += ["--replicas", str(sc.cluster.gpus)]
+        if engine_cpus:
+            cmd += ["--devices", split_cpus(engine_cpus, sc.cluster.gpus)]
+    elif engine_cpus:
         cmd += ["--cpus", engine_cpus]
     return serve_and_bench(cmd, port, sc, configuration, log)[0]
 
@@ -167,14 +185,16 @@ def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter
              progress=None, via_server: bool = False, backend: str = "torch",
              engine_cpus: str | None = None) -> dict:
     """``via_server``: measure through a server process and HTTP (adds the HTTP stack's CPU
-    time, which the simulator does not model) instead of the engine in this process."""
+    time, which the simulator does not model) instead of the engine in this process; a
+    scenario with ``cluster.gpus`` > 1 always is (``serve --replicas``, one engine process per
+    replica, ``engine_cpus`` shared out among them)."""
     from orthrus_real.device import environment_check
     from orthrus_real.model_files import adapter_rank
     from orthrus_sim.sim.run import simulate  # the simulator, only when validating
 
     base = load_scenario(scenario, overrides)
     rank = adapter_rank(adapter_dir) if adapter_dir else None
-    sc = real_scenario(base, model_dir, rank, calibration, kv_cache_tokens)
+    sc = real_scenario(base, model_dir, rank, calibration, kv_cache_tokens, gpus=base.cluster.gpus)
     warning = environment_check(calibration, model_dir)
     if warning and progress:
         progress(f"warning: {warning}")
@@ -186,7 +206,7 @@ def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter
         simulated.append({"configuration": cfg, "metrics": simulate(sc, cfg).metrics})
         if progress:
             progress(f"measuring {cfg} ({sc.duration_s or '?'} s)")
-        if via_server:
+        if via_server or sc.cluster.gpus > 1:  # several replicas: through the cluster's gateway
             measured.append(run_real(sc, cfg, model_dir, adapter_dir, kv_cache_tokens, threads, out,
                                      backend, engine_cpus))
         else:

@@ -76,15 +76,17 @@ def test_validate_runs_both_sides(calibration, tiny_models, tmp_path):
         assert doc["scenario"]["hardware"] == "cpu-2core"
 
 
-def test_validate_refuses_multi_device_configurations(calibration, tiny_models, tmp_path):
+def test_validate_refuses_disagg_pd(calibration, tiny_models, tmp_path):
+    """Dedicated splits run on a cluster of replicas (tests/test_cluster.py); Disagg-PD would
+    need KV transfer between engines."""
     import yaml
 
     path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump({"name": "x", "duration_s": 1, "configurations": ["dedicated-1:1"],
+    path.write_text(yaml.safe_dump({"name": "x", "duration_s": 1, "configurations": ["disagg-pd-1:1"],
                                     "cluster": {"gpus": 2}}))
     res = CliRunner().invoke(app, ["validate", str(path), "--model", str(tiny_models["llama"]),
                                    "--calibration", str(calibration)])
-    assert res.exit_code == 2 and "several devices" in res.output
+    assert res.exit_code == 2 and "KV transfer between engines is not built" in res.output
 
 
 def test_calibration_records_its_machine_and_validate_bench_warn_elsewhere(calibration, tiny_models,

@@ -1,6 +1,7 @@
 """vLLM's own benchmark client drives ``orthrus-real serve`` (both endpoints, every request
-successful), and the vLLM backend keeps serving when its core raises for one request (the
-engine thread rebuilds it and re-runs the others). Run in CI's vLLM stage (see .ci/run)."""
+successful; one engine, and a cluster of replicas behind its gateway), and the vLLM backend
+keeps serving when its core raises for one request (the engine thread rebuilds it and re-runs
+the others). Run in CI's vLLM stage (see .ci/run)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_vllm_bench_serve_succeeds_on_completions_and_embeddings(model, tmp_path):
+# one engine, and a dedicated-1:1 cluster behind its gateway (docs/cluster.md)
+@pytest.mark.parametrize("cluster", [[], ["--replicas", "2", "--configuration", "dedicated-1:1",
+                                          "--threads", "1"]], ids=["engine", "cluster"])
+def test_vllm_bench_serve_succeeds_on_completions_and_embeddings(model, tmp_path, cluster):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "orthrus_real.cli", "serve", "--model",
-                               str(model), "--port", str(port), "--log-level", "warning"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                               str(model), "--port", str(port), "--log-level", "warning",
+                               *cluster], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, 120.0, server)
         for backend, endpoint, out_len in [("openai", "/v1/completions", 16),

@@ -25,6 +25,16 @@ async def health(ctx: ServerContext = Depends(context)):
     return {"status": "ok"}
 
 
+@router.get("/engine")
+async def engine_info(ctx: ServerContext = Depends(context)):
+    """What the engine loaded (as the startup log says it), its KV capacity and the request
+    kinds its policy serves: what a cluster's gateway lists for each replica."""
+    engine = ctx.engine
+    cfg = engine.scheduler_config
+    return {**{k: str(v) for k, v in engine.describe().items()}, "num_blocks": cfg.num_blocks,
+            "block_size": cfg.block_size, "serves": list(ctx.serves_kinds)}
+
+
 @router.get("/version")
 async def version():
     from orthrus_sim import __version__

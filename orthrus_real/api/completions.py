@@ -133,6 +133,7 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
 @router.post("/v1/completions")
 async def completions(body: CompletionBody, request: Request, ctx: ServerContext = Depends(context)):
     body.check_supported()
+    ctx.check_kind(GENERATE)
     ctx.check_model(body.model, "completions")
     items = body.prompts()
     ctx.check_count(len(items), "prompt")
@@ -143,6 +144,7 @@ async def completions(body: CompletionBody, request: Request, ctx: ServerContext
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatBody, request: Request, ctx: ServerContext = Depends(context)):
     body.check_supported()
+    ctx.check_kind(GENERATE)
     ctx.check_model(body.model, "chat")
     if ctx.chat_template is None:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",

@@ -64,6 +64,21 @@ class ServerContext:
                                 f"{serves}; use {self.served_name!r}", "model",
                            code="wrong_model_kind")
 
+    @property
+    def serves_kinds(self) -> tuple[str, ...]:
+        """The request kinds this engine's policy serves (one for a dedicated replica)."""
+        serves = getattr(getattr(self.engine, "policy", None), "serves", None)
+        return tuple(k.value for k in serves) if serves else (EMBED, GENERATE)
+
+    def check_kind(self, kind: str) -> None:
+        """A dedicated replica refuses the other kind at once, saying what it serves."""
+        if kind not in self.serves_kinds:
+            other = " and ".join(self.serves_kinds)
+            raise ApiError(400, f"this replica serves {other} requests only (policy "
+                                f"{self.engine.policy.name}: one side of a dedicated split), not "
+                                f"{kind}; send {kind} requests to the cluster's endpoint",
+                           code="wrong_replica_kind")
+
     def check_count(self, n: int, param: str) -> None:
         if n > self.max_inputs:
             raise ApiError(400, f"{param} holds {n} items, more than this server's limit of "

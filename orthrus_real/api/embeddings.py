@@ -23,6 +23,7 @@ def _encode(vec: list[float], fmt: str):
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingBody, request: Request, ctx: ServerContext = Depends(context)):
     body.check_supported()
+    ctx.check_kind(EMBED)
     ctx.check_model(body.model, "embeddings")
     pooling = body.pooling or ctx.default_pooling
     normalize = ctx.default_normalize if body.normalize is None else body.normalize

@@ -1,0 +1,163 @@
+"""``orthrus-real serve --replicas N``: the scenario's plan on N replicas, behind one gateway."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from orthrus_real.cluster.devices import parse_devices
+from orthrus_real.cluster.replicas import (
+    Replica,
+    ServeOptions,
+    check_configuration,
+    plan_replicas,
+    stop_all,
+)
+from orthrus_sim.experiment.scenario import Scenario, load_scenario, parse_scenario
+
+log = logging.getLogger("orthrus")
+
+
+@dataclass
+class ClusterArgs:
+    """What ``serve`` was given that shapes the cluster."""
+
+    replicas: int | None
+    configuration: str | None
+    devices: str | None
+    router: str | None
+    threads: int
+    adapter: str | None
+    auto_restart: bool = False
+    start_timeout: float = 300.0
+
+
+def cluster_from_cli(o: dict, chunk: int | str | None):
+    """``serve``'s options (by name) -> a function that runs the cluster: the replicas are
+    started and ready when this returns (errors raise ValueError/RuntimeError first)."""
+    if o["replicas"] is not None and o["replicas"] < 1:
+        raise ValueError(f"--replicas must be >= 1, got {o['replicas']}")
+    opts = ServeOptions(str(o["model"]), o["kv_cache_tokens"], o["max_queued"], o["max_body_bytes"],
+                        o["served_model_name"], o["pooling"], o["dtype"], o["backend"],
+                        o["max_inputs_per_request"], o["calibration"],
+                        model_limit_given=o["max_model_len"] is not None,
+                        log_level=o["log_level"], api_key=o["api_key"])
+    adapter = o["embedding_adapter"]
+    args = ClusterArgs(o["replicas"], o["configuration"], o["devices"] or o["device"], o["router"],
+                       o["threads"], str(adapter) if adapter else None, o["auto_restart"])
+    knobs = [f"scheduler.{k}={v}" for k, v in (("token_budget", o["token_budget"]),
+                                               ("chunk_size", chunk),
+                                               ("max_num_seqs", o["max_num_seqs"]))
+             if v is not None]
+    scenario, configuration = cluster_scenario(o["scenario"], o["set_"], knobs, o["policy"], args,
+                                               opts)
+    opts.calibration = opts.calibration or scenario.calibration
+    if o["ray"]:
+        from orthrus_real.cluster.ray_app import prepare_ray
+
+        return prepare_ray(o["ray"], scenario, configuration, args, opts, o["host"], o["port"],
+                           o["sock"])
+    gateway = build_cluster(scenario, configuration, args, opts)
+    return lambda: serve_cluster(gateway, o["host"], o["port"], o["sock"], o["log_level"],
+                                 opts.max_body_bytes, opts.api_key)
+
+
+def cluster_scenario(scenario: str | None, set_: list[str], knobs: list[str], policy: str,
+                     args: ClusterArgs, opts: ServeOptions) -> tuple[Scenario, str]:
+    """The scenario whose plan the replicas run (``--scenario``, or one made of the command
+    line's knobs), with this model, its engines' KV capacity and ``--replicas`` GPUs; and the
+    configuration served."""
+    from orthrus_real.model_files import adapter_rank
+    from orthrus_real.validate import real_scenario
+
+    if scenario is None:
+        raw = {"name": "serve", "num_requests": 1, "model": opts.model,
+               "scheduler": {"policy": policy} if policy != "ibs" else {},
+               "configurations": [args.configuration or "orthrus"]}
+        if args.replicas:
+            raw["cluster"] = {"gpus": args.replicas}
+        sc = parse_scenario(raw, "serve", [*knobs, *set_], check_fit=False)
+    else:
+        sc = load_scenario(scenario, set_)
+    configuration = args.configuration or sc.configurations[0]
+    check_configuration(configuration)
+    rank = adapter_rank(args.adapter) if args.adapter else None
+    return real_scenario(sc, opts.model, rank, opts.calibration, opts.kv_cache_tokens,
+                         gpus=args.replicas or sc.cluster.gpus, configurations=[configuration],
+                         router=args.router), configuration
+
+
+def start_replicas(replicas: list[Replica], opts: ServeOptions, timeout: float) -> None:
+    """Start every engine process, wait until all are ready (any failure stops them all)."""
+    for r in replicas:
+        r.start(opts)
+    try:
+        with ThreadPoolExecutor(len(replicas)) as pool:
+            for future in [pool.submit(r.wait_ready, timeout) for r in replicas]:
+                future.result()
+    except BaseException:
+        stop_all(replicas)
+        raise
+
+
+def make_replicas(scenario: Scenario, configuration: str, args: ClusterArgs,
+                  replica_type=Replica, **extra) -> list[Replica]:
+    """The replicas of the plan (not started), each with the cost model the simulator gives
+    it (what the rules that predict read)."""
+    import torch
+
+    from orthrus_sim.costmodel import get_hardware
+    from orthrus_sim.costmodel.factors import apply_factors
+    from orthrus_sim.experiment.plan import coefficients, cost_factors
+
+    devices = parse_devices(args.devices, scenario.cluster.gpus,
+                            torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    specs = plan_replicas(scenario, configuration, devices, args.threads, args.adapter)
+    hardware = get_hardware(scenario.hardware)
+    coeffs, factors = coefficients(scenario), cost_factors(scenario)
+    return [replica_type(s, cost=apply_factors(s.plan.cost_model(hardware, coeffs), factors),
+                         **extra) for s in specs]
+
+
+def make_gateway(scenario: Scenario, replicas: list[Replica], opts: ServeOptions,
+                 auto_restart: bool, start_timeout: float):
+    """The gateway over ``replicas`` with the scenario's routing rule."""
+    from orthrus_real.cluster.gateway import Gateway
+
+    target = replicas[0].spec.plan.config.tpot_target_s
+    return Gateway(replicas, opts, scenario.cluster.router, target, scenario.cluster.adaptive_pack,
+                   auto_restart, opts.api_key, start_timeout)
+
+
+def build_cluster(scenario: Scenario, configuration: str, args: ClusterArgs, opts: ServeOptions):
+    """The replicas (started and ready) and their gateway."""
+    replicas = make_replicas(scenario, configuration, args)
+    gateway = make_gateway(scenario, replicas, opts, args.auto_restart, args.start_timeout)
+    log.info("cluster: %s on %d replica(s), router %s", configuration, len(replicas),
+             gateway.router.rule)
+    start_replicas(replicas, opts, args.start_timeout)
+    gateway.reroute()
+    for r in replicas:
+        log.info("%s", r.describe())
+    return gateway
+
+
+def serve_cluster(gateway, host: str, port: int, sock: socket.socket, log_level: str,
+                  max_body_bytes: int, api_key: str | None, drain_timeout: float = 300.0) -> None:
+    """Run the gateway until SIGTERM/SIGINT: drain it (new requests 503, those in flight
+    finish), then drain and stop every replica."""
+    import uvicorn
+
+    from orthrus_real.cluster.gateway import create_gateway_app
+    from orthrus_real.serving import KEEP_ALIVE_S, MAX_HEAD, DrainingServer
+
+    app = create_gateway_app(gateway, max_body_bytes, api_key)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http="h11",
+                            timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEAD,
+                            timeout_graceful_shutdown=drain_timeout)
+    try:
+        DrainingServer(config, gateway, drain_timeout).run(sockets=[sock])
+    finally:  # the app's shutdown stopped them; this only when it never started
+        stop_all(gateway.replicas)

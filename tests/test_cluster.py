@@ -1,0 +1,350 @@
+"""Several replicas behind one endpoint (``orthrus-real serve --replicas 2``): every request
+reaches a replica and completes, the project's router decides where (round-robin alternates,
+least-work sends a burst to the idle replica, a dedicated split routes by kind and each side
+refuses the other kind), a replica killed mid-load ends its requests with an error while the
+other serves on and comes back on restart, SIGTERM drains; /metrics and /health per replica."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("torch")
+
+from orthrus_real.cluster.devices import Device, parse_devices  # noqa: E402
+from orthrus_real.cluster.metrics_text import merge, replica_roles, sum_replicas  # noqa: E402
+from orthrus_real.cluster.replicas import free_port, plan_replicas  # noqa: E402
+from orthrus_real.serving import wait_healthy  # noqa: E402
+from orthrus_sim.experiment.scenario import parse_scenario  # noqa: E402
+
+REPLICA = "x-orthrus-replica"
+
+
+def devices_arg() -> str:
+    """Two single-core replicas where there are two cores, else both on the one."""
+    return "cpu:0,cpu:1" if (os.cpu_count() or 1) >= 2 else "cpu:0,cpu:0"
+
+
+class Cluster:
+    """``orthrus-real serve --replicas N`` in a child process, healthy."""
+
+    def __init__(self, model, *args: str, replicas: int = 2, devices: str | None = None,
+                 start_timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orthrus_real.cli", "serve", "--model", str(model), "--port",
+             str(self.port), "--replicas", str(replicas), "--devices", devices or devices_arg(),
+             "--threads", "1", "--kv-cache-tokens", "8192", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.url, start_timeout, self.proc)
+        except RuntimeError:
+            print(self.close()[-5000:])
+            raise
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def close(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        return self.proc.stdout.read().decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def rr_cluster(tiny_models):
+    c = Cluster(tiny_models["llama"], "--configuration", "orthrus")
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def lw_cluster(tiny_models):
+    c = Cluster(tiny_models["llama"], "--configuration", "orthrus", "--router", "least-work",
+                "--auto-restart")
+    yield c
+    c.close()
+
+
+def gen(prompt, n=4, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, **extra}
+
+
+# ----- no processes ---------------------------------------------------------------------------
+def test_devices_parse_one_per_replica_and_name_the_problem():
+    assert parse_devices("cuda:0,cuda:1", 2, 2) == [Device("cuda", 0), Device("cuda", 1)]
+    assert parse_devices("cpu:0,1,cpu:0-1", 2, 0) == [Device("cpu", cpus=frozenset({0, 1}))] * 2
+    assert parse_devices("cpu", 3, 0) == [Device("cpu")] * 3
+    assert str(parse_devices("cpu:0-1;cpu:0", 2, 0)[0]) == "cpu:0-1"
+    with pytest.raises(ValueError, match="names 3 devices for --replicas 2"):
+        parse_devices("cpu:0,cpu:0,cpu:0", 2, 0)
+    with pytest.raises(ValueError, match="1 CUDA device"):
+        parse_devices("cuda:0,cuda:1", 2, 1)
+    with pytest.raises(ValueError, match="'gpu0' is not a device"):
+        parse_devices("gpu0", 1, 0)
+
+
+def test_placement_is_the_simulators_plan_and_disagg_is_refused(tiny_models):
+    sc = parse_scenario({"name": "t", "num_requests": 1, "model": str(tiny_models["llama"]),
+                         "cluster": {"gpus": 2}, "configurations": ["dedicated-1:1"]})
+    specs = plan_replicas(sc, "dedicated-1:1", [Device("cpu")] * 2, 1, "adapter-dir")
+    assert [(s.role, s.plan.policy, s.adapter) for s in specs] == [
+        ("embedding", "embedding-only", "adapter-dir"), ("generation", "generation", None)]
+    with pytest.raises(ValueError, match="KV transfer between engines is not built"):
+        plan_replicas(sc, "disagg-pd-1:1", [Device("cpu")] * 2, 1, None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--replicas", "2", "--configuration", "disagg-pd-1:1"], "KV transfer between engines"),
+    (["--replicas", "3", "--configuration", "dedicated-1:1"], "uses 2 GPUs but cluster.gpus is 3"),
+    (["--replicas", "2", "--devices", "cpu:0,cpu:0,cpu:0"], "names 3 devices for --replicas 2"),
+    (["--replicas", "2", "--router", "fastest"], "cluster.router"),
+])
+def test_serve_replicas_refuses_bad_options_before_starting_anything(tiny_models, args, message):
+    from typer.testing import CliRunner
+
+    from orthrus_real.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "--model", str(tiny_models["llama"]), "--port",
+                                   str(free_port()), *args])
+    assert res.exit_code == 2 and message in res.output, res.output
+
+
+def test_metrics_merge_labels_each_replica_and_sums_back():
+    text = ('# HELP x_total x\n# TYPE x_total counter\nx_total 2.0\n'
+            '# HELP h h\n# TYPE h gauge\nh{kind="e"} 1.0\n')
+    merged = merge({0: text, 1: text.replace("2.0", "3.0")})
+    assert merged.count("# TYPE x_total counter") == 1
+    assert 'x_total{replica="0"} 2.0' in merged and 'h{replica="1",kind="e"} 1.0' in merged
+    from orthrus_real.bench import parse_prometheus
+
+    total, each = sum_replicas(parse_prometheus(merged))
+    assert total["x_total"] == 5.0 and each[1]["x_total"] == 3.0 and total['h{kind="e"}'] == 2.0
+    assert replica_roles({'orthrus_cluster_replica_up{replica="1",role="generation"}': 1.0}) == {
+        1: "generation"}
+
+
+# ----- a round-robin cluster ------------------------------------------------------------------
+def test_every_request_completes_and_round_robin_alternates(rr_cluster):
+    url = rr_cluster.url
+    seen = []
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for i in range(4):
+            r = c.post("/v1/completions", json=gen([5 + i, 6, 7]))
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            seen.append(r.headers[REPLICA])
+        for i in range(4):
+            r = c.post("/v1/embeddings", json={"input": f"text {i}"})
+            assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
+            seen.append(r.headers[REPLICA])
+        with c.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "stream": True}) as r:
+            lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+    # each kind in turn over both replicas (the router's round-robin per kind)
+    assert seen == ["0", "1", "0", "1", "0", "1", "0", "1"]
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            return await asyncio.gather(*[c.post("/v1/completions", json=gen([4, i + 5], 3))
+                                          for i in range(6)],
+                                        *[c.post("/v1/embeddings", json={"input": [[4, 5, i + 6]]})
+                                          for i in range(6)])
+
+    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+    health = rr_cluster.health()
+    assert health["status"] == "ok" and [r["up"] for r in health["replicas"]] == [True, True]
+    assert all(r["in_flight"] == 0 and r["outstanding_tokens"] == 0 for r in health["replicas"])
+    text = httpx.get(url + "/metrics", timeout=10).text
+    assert 'orthrus_iterations_total{replica="0"}' in text
+    assert 'orthrus_iterations_total{replica="1"}' in text
+    assert 'orthrus_cluster_routed_total{kind="generation",replica="1"} 5.0' in text
+    own = httpx.get(url + "/replicas/1/metrics", timeout=10).text
+    assert "orthrus_iterations_total " in own and "replica=" not in own
+
+
+def test_bench_measures_the_cluster_per_replica(rr_cluster):
+    from orthrus_real.bench import bench
+
+    sc = parse_scenario({"name": "t", "seed": 3, "num_requests": 12,
+                         "workload": {"arrival": {"process": "poisson", "rate": 40},
+                                      "embedding_input": {"dist": "fixed", "value": 8},
+                                      "generation_prompt": {"dist": "fixed", "value": 8},
+                                      "generation_output": {"dist": "fixed", "value": 4}},
+                         "cluster": {"gpus": 2}})
+    doc, _ = asyncio.run(bench(rr_cluster.url, sc))
+    metrics = doc["runs"][0]["metrics"]
+    gpus = metrics["utilization"]["per_gpu"]
+    assert [g["replica"] for g in gpus] == [0, 1] and all(g["iterations"] > 0 for g in gpus)
+    assert [g["role"] for g in gpus] == ["unified", "unified"]
+    assert metrics["completed"]["embedding"] + metrics["completed"]["generation"] == 12
+
+
+def test_admin_restart_drains_and_restarts_a_live_replica(rr_cluster):
+    url = rr_cluster.url
+    before = rr_cluster.health()["replicas"][1]
+    with httpx.Client(base_url=url, timeout=60) as c:
+        assert c.post("/admin/replicas/1/restart").status_code == 202
+        assert c.post("/admin/replicas/7/restart").json()["error"]["code"] == "replica_not_found"
+        for _ in range(600):
+            health = rr_cluster.health()
+            if health["replicas"][1]["restarts"] == 1 and health["replicas"][1]["up"]:
+                break
+            time.sleep(0.1)
+        assert health["status"] == "ok" and health["replicas"][1]["pid"] != before["pid"]
+        seen = {c.post("/v1/embeddings", json={"input": "x"}).headers[REPLICA] for _ in range(2)}
+        assert seen == {"0", "1"}
+
+
+def sigterm_mid_stream(cluster: Cluster, n: int) -> int:
+    """SIGTERM the cluster while a stream of ``n`` tokens is in flight; new requests must then
+    get 503 draining. Returns the stream's chunks."""
+    chunks = 0
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=gen([5] * 20, n, stream=True),
+                      timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunks += 1
+            if chunks == 2:
+                cluster.proc.send_signal(signal.SIGTERM)
+                for _ in range(100):  # under Ray the signal reaches the gateway through Ray
+                    late = httpx.post(cluster.url + "/v1/embeddings", json={"input": "x"},
+                                      timeout=10)
+                    if late.status_code == 503:
+                        break
+                    time.sleep(0.05)
+                assert late.json()["error"]["code"] == "draining"
+                assert httpx.get(cluster.url + "/health", timeout=10).json()["status"] == "draining"
+    return chunks
+
+
+def test_sigterm_drains_the_cluster(rr_cluster):
+    """Last on this cluster: the stream in flight finishes, new requests get 503, then the
+    gateway and both replicas exit."""
+    pids = [r["pid"] for r in rr_cluster.health()["replicas"]]
+    chunks = sigterm_mid_stream(rr_cluster, 400)
+    assert chunks == 400
+    assert rr_cluster.proc.wait(60) in (0, -signal.SIGTERM)
+    log = rr_cluster.close()
+    assert "stopping 2 replica(s)" in log
+    for pid in pids:  # both engines drained and exited
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    # the startup log lists each replica's device, model, role and KV capacity
+    assert "replica 0: role unified, device cpu:" in log and "kv_cache 8192 tokens" in log
+
+
+# ----- least work; a replica that dies ------------------------------------------------------
+def test_least_work_sends_a_burst_to_the_idle_replica(lw_cluster):
+    url = lw_cluster.url
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            async with c.stream("POST", "/v1/completions", json=gen([5] * 8, 600, stream=True)) as r:
+                busy = r.headers[REPLICA]
+                burst = await asyncio.gather(*[c.post("/v1/completions", json=gen([6, i + 4], 3))
+                                               for i in range(5)])
+                async for _ in r.aiter_lines():
+                    pass
+            return busy, burst
+
+    busy, burst = asyncio.run(go())
+    assert busy == "0"  # both idle: the lower index
+    assert all(r.status_code == 200 for r in burst)
+    assert [r.headers[REPLICA] for r in burst] == ["1"] * 5
+
+
+def kill_mid_stream(url: str, victim: dict) -> dict:
+    """A long stream to the replica ``victim`` (killed at its third token) beside a short one to
+    the next replica: ``{replica: (chunks, the error event or None)}``."""
+    async def stream(c, n):
+        async with c.stream("POST", "/v1/completions", json=gen([7] * 8, n, stream=True)) as r:
+            where, chunks, error = r.headers[REPLICA], 0, None
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    doc = json.loads(line[6:])
+                    if "error" in doc:
+                        error = doc["error"]
+                        continue
+                    chunks += 1
+                    if where == str(victim["replica"]) and chunks == 3:
+                        os.kill(victim["pid"], signal.SIGKILL)
+            return where, chunks, error
+
+    async def go():
+        # a read that waits 15 s fails the test: the error must come well before
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(15.0)) as c:
+            return await asyncio.gather(stream(c, 2000), stream(c, 60))
+
+    return {where: (chunks, error) for where, chunks, error in asyncio.run(go())}
+
+
+def test_a_killed_replica_fails_its_requests_the_other_serves_and_comes_back(lw_cluster):
+    url = lw_cluster.url
+    victim = lw_cluster.health()["replicas"][0]
+    results = kill_mid_stream(url, victim)
+    assert sorted(results) == ["0", "1"]
+    (n0, err0), (n1, err1) = results["0"], results["1"]
+    assert err0["code"] == "replica_failed" and "replica 0" in err0["message"] and n0 < 2000
+    assert err1 is None and n1 == 60  # the other replica's stream finished in full
+    for _ in range(50):  # the monitor sees the exit within a fraction of a second
+        health = lw_cluster.health()
+        if not health["replicas"][0]["up"]:
+            break
+        time.sleep(0.1)
+    assert health["status"] == "degraded" and health["replicas"][0]["last_exit"]
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for _ in range(3):  # all to the replica up
+            r = c.post("/v1/embeddings", json={"input": "still here"})
+            assert r.status_code == 200 and r.headers[REPLICA] == "1"
+        for _ in range(600):  # --auto-restart: the gateway starts it again
+            health = lw_cluster.health()
+            if health["replicas"][0]["up"]:
+                break
+            time.sleep(0.1)
+        assert health["status"] == "ok" and health["replicas"][0]["restarts"] == 1
+        assert health["replicas"][0]["pid"] != victim["pid"]
+        r = c.post("/v1/completions", json=gen([5, 6], 3))
+        assert r.status_code == 200 and r.headers[REPLICA] == "0"  # both idle: back on 0
+
+
+# ----- a dedicated split ----------------------------------------------------------------------
+def test_dedicated_split_routes_by_kind_and_each_side_refuses_the_other(tiny_models):
+    c = Cluster(tiny_models["qwen2"], "--configuration", "dedicated-1:1")
+    try:
+        with httpx.Client(base_url=c.url, timeout=60) as client:
+            for i in range(3):
+                e = client.post("/v1/embeddings", json={"input": f"doc {i}"})
+                g = client.post("/v1/completions", json=gen([4, 5 + i]))
+                assert e.status_code == g.status_code == 200
+                assert (e.headers[REPLICA], g.headers[REPLICA]) == ("0", "1")
+            replicas = c.health()["replicas"]
+            assert [(r["role"], r["policy"]) for r in replicas] == [
+                ("embedding", "embedding-only"), ("generation", "generation")]
+            embed_side, gen_side = (r["url"] for r in replicas)
+            wrong = [client.post(embed_side + "/v1/completions", json=gen([4, 5])),
+                     client.post(gen_side + "/v1/embeddings", json={"input": "x"})]
+            for r, serves in zip(wrong, ("embedding", "generation")):
+                assert r.status_code == 400
+                err = r.json()["error"]
+                assert err["code"] == "wrong_replica_kind"
+                assert f"serves {serves} requests only" in err["message"]
+    finally:
+        log = c.close()
+    assert "replica 0: role embedding" in log and "replica 1: role generation" in log

@@ -1,0 +1,71 @@
+"""The same cluster as a Ray Serve application on a local Ray instance (``serve --ray local``):
+a dedicated-1:2 split routes by kind and round-robin over its two generation replicas, each
+side refuses the other kind, a generation replica killed mid-stream fails its request while
+the other serves on and Ray Serve brings it back, SIGTERM drains."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.ray_serve
+
+from tests.test_cluster import REPLICA, Cluster, gen, kill_mid_stream, sigterm_mid_stream  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tiny_models):
+    c = Cluster(tiny_models["llama"], "--configuration", "dedicated-1:2", "--ray", "local",
+                replicas=3, devices="cpu:0,cpu:1,cpu:1" if (os.cpu_count() or 1) >= 2 else "cpu:0",
+                start_timeout=240.0)
+    yield c
+    c.close()
+
+
+def test_ray_routes_by_kind_round_robin_and_each_side_refuses_the_other(ray_cluster):
+    url = ray_cluster.url
+    with httpx.Client(base_url=url, timeout=60) as c:
+        embeds = [c.post("/v1/embeddings", json={"input": f"doc {i}"}) for i in range(3)]
+        gens = [c.post("/v1/completions", json=gen([4, 5 + i])) for i in range(4)]
+        assert all(r.status_code == 200 for r in embeds + gens)
+        assert [r.headers[REPLICA] for r in embeds] == ["0"] * 3
+        assert [r.headers[REPLICA] for r in gens] == ["1", "2", "1", "2"]
+        replicas = ray_cluster.health()["replicas"]
+        assert [r["role"] for r in replicas] == ["embedding", "generation", "generation"]
+        wrong = c.post(replicas[0]["url"] + "/v1/completions", json=gen([4, 5]))
+        assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "wrong_replica_kind"
+        wrong = c.post(replicas[1]["url"] + "/v1/embeddings", json={"input": "x"})
+        assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "wrong_replica_kind"
+        text = c.get("/metrics").text
+        assert all(f'orthrus_iterations_total{{replica="{i}"}}' in text for i in range(3))
+
+
+def test_ray_replica_killed_mid_stream_fails_its_request_and_ray_brings_it_back(ray_cluster):
+    url = ray_cluster.url
+    victim = ray_cluster.health()["replicas"][1]
+    results = kill_mid_stream(url, victim)
+    assert results["1"][1]["code"] == "replica_failed" and results["1"][0] < 2000
+    assert results["2"] == (60, None)
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/completions", json=gen([5, 6], 3))
+        assert r.status_code == 200 and r.headers[REPLICA] == "2"  # the one up
+        for _ in range(900):  # Ray Serve starts a new replica; the gateway routes to it again
+            health = ray_cluster.health()
+            if health["replicas"][1]["up"]:
+                break
+            time.sleep(0.2)
+        assert health["status"] == "ok" and health["replicas"][1]["pid"] != victim["pid"]
+        seen = {c.post("/v1/completions", json=gen([5, 6], 3)).headers[REPLICA] for _ in range(2)}
+        assert seen == {"1", "2"}
+
+
+def test_ray_sigterm_drains(ray_cluster):
+    chunks = sigterm_mid_stream(ray_cluster, 300)
+    assert chunks == 300
+    assert ray_cluster.proc.wait(120) == 0
+    assert "stopped" in ray_cluster.close()
