@@ -348,3 +348,28 @@ def test_dedicated_split_routes_by_kind_and_each_side_refuses_the_other(tiny_mod
     finally:
         log = c.close()
     assert "replica 0: role embedding" in log and "replica 1: role generation" in log
+
+
+def test_the_predicting_rules_route_over_real_replicas(tiny_models):
+    """The gateway's replicas carry what ``least-predicted-time`` and ``adaptive`` read (the
+    plan's cost model, the scheduler config): a long prompt booked on replica 0 sends the next
+    embeddings to replica 1, and release empties the books (no processes needed)."""
+    from orthrus_real.cluster.serve import ClusterArgs, make_replicas
+    from orthrus_sim.engine.request import Request, RequestKind
+    from orthrus_sim.experiment.routing import make_router
+
+    sc = parse_scenario({"name": "t", "num_requests": 1, "model": str(tiny_models["llama"]),
+                         "cluster": {"gpus": 2, "router": "least-predicted-time"},
+                         "configurations": ["orthrus"]})
+    args = ClusterArgs(replicas=2, configuration="orthrus", devices="cpu:0,cpu:0",
+                       router="least-predicted-time", threads=1, adapter=None)
+    replicas = make_replicas(sc, "orthrus", args)
+    assert all(r.cost is not None and r.policy.config.token_budget > 0 for r in replicas)
+    router = make_router("least-predicted-time", replicas)
+    long = Request("g", RequestKind.GENERATION, 0.0, 4000, max_output_tokens=16)
+    assert router.route(long) is replicas[0]  # both idle: the lower index
+    embeddings = [Request(f"e{i}", RequestKind.EMBEDDING, 0.0, 64) for i in range(3)]
+    assert [router.route(e).index for e in embeddings] == [1, 1, 1]
+    for req in [long, *embeddings]:
+        router.release(req)
+    assert router.route(Request("e9", RequestKind.EMBEDDING, 0.0, 64)) is replicas[0]
