@@ -38,6 +38,11 @@ class Engine(EngineBase):
         if adapter is not None:
             self.adapter_name, self.adapter_rank = adapter.name, adapter.rank
         self.model = Decoder(cfg, read_weights(model_dir), self.device, adapter)
+        if adapter is not None and policy == "embedding-only":
+            # every row is an embedding: serve the merged embedding model, as the plan of a
+            # Dedicated split prices it (no adapter work per row)
+            self.model.merge_adapter()
+            self.adapter_merged = True
         base = scheduler or SchedulerConfig()
         num_blocks = max(1, kv_cache_tokens // base.block_size)
         self._make_policy(policy, base, num_blocks, base.block_size, calibration)

@@ -102,6 +102,7 @@ class EngineBase:
         self.counters = {f"{k}_{s}": 0 for k in ("embedding", "generation")
                          for s in ("completed", "rejected", "aborted", "failed")}
         self.adapter_name: str | None = None
+        self.adapter_merged = False  # folded into the weights (an embedding-only server)
         self.adapter_rank: int | None = None
         self.dtype_reason = "the model's"
         self.calibration: str | None = None
@@ -133,7 +134,7 @@ class EngineBase:
                              "`orthrus-real calibrate` fitted to this engine) to predict "
                              "iteration times")
         return {"calibration": str(calibration), "model": str(self.model_dir),
-                "lora_rank": self.adapter_rank}
+                "lora_rank": self.adapter_rank if self.adapter_per_row else None}
 
     def _model_len(self, wanted: int | None) -> int:
         """The length served: ``wanted`` (a scenario's, say), at most the model's (the server
@@ -159,8 +160,9 @@ class EngineBase:
                 "max_num_seqs": c.max_num_seqs, "kv_admission": c.kv_admission,
                 "tpot_target": (f"{c.tpot_target_s * 1e3:g} ms per decode iteration, predicted "
                                 f"by {self.calibration}" if c.tpot_target_s else "none"),
-                "embedding_adapter": (f"{self.adapter_name} (rank {self.adapter_rank})"
-                                      if self.adapter_name else "none")}
+                "embedding_adapter": (f"{self.adapter_name} (rank {self.adapter_rank}"
+                                      + (", merged into the weights)" if self.adapter_merged
+                                         else ")") if self.adapter_name else "none")}
 
     # ----- requests --------------------------------------------------------------------------
     def now(self) -> float:
@@ -305,8 +307,13 @@ class EngineBase:
         self.stats.append(IterationStats(
             self.iterations, start, self.now() - start, comp["embed_tokens"], comp["prefill_tokens"],
             comp["decodes"], batch.total_tokens, batch.token_budget, self.policy.blocks.usage,
-            comp["embed_tokens"] if self.adapter_name else 0,
-            BatchShape.from_batch(batch, adapter=self.adapter_name is not None), admitted))
+            comp["embed_tokens"] if self.adapter_per_row else 0,
+            BatchShape.from_batch(batch, adapter=self.adapter_per_row), admitted))
+
+    @property
+    def adapter_per_row(self) -> bool:
+        """Embedding rows pay the adapter's work (an adapter loaded and not merged)."""
+        return self.adapter_name is not None and not self.adapter_merged
 
     def close(self) -> None:
         """Release what the engine holds outside this process (nothing, for this one)."""

@@ -85,6 +85,29 @@ class Decoder:
         self.q_width = cfg.num_heads * cfg.head_dim
         self.kv_width = cfg.num_kv_heads * cfg.head_dim
 
+    def merge_adapter(self) -> None:
+        """Fold the adapter into the weights (W + scaling * B @ A, in fp32) and drop it: what a
+        server whose every row is an embedding runs (the merged embedding model of a
+        Dedicated split), with no per-row adapter work left in the forward pass."""
+        if self.adapter is None:
+            return
+        fused = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
+                 "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+        start = {"q_proj": 0, "k_proj": self.q_width, "v_proj": self.q_width + self.kv_width,
+                 "o_proj": 0, "gate_proj": 0, "up_proj": self.cfg.intermediate_size,
+                 "down_proj": 0}
+        copied = set()
+        for (layer, module), (a, b) in self.adapter.items():
+            key = (layer, fused[module])
+            if key not in copied:  # never write into tensors the loaded files may back
+                self.layers[layer][key[1]] = self.layers[layer][key[1]].clone()
+                copied.add(key)
+            w = self.layers[layer][key[1]]
+            rows = slice(start[module], start[module] + self._width(module))
+            delta = (b.float() @ a.float()) * self.lora_scaling
+            w[rows] = (w[rows].float() + delta).to(w.dtype)
+        self.adapter = None
+
     def _lora(self, x: torch.Tensor, y: torch.Tensor, layer: int, modules: tuple[str, ...],
               rows: slice) -> None:
         """Add the adapter's delta to ``y`` (a fused projection's output) on ``rows`` only."""

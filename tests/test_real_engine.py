@@ -94,6 +94,29 @@ def test_lora_rows_match_transformers_with_merged_adapter(tiny_models, family):
     torch.testing.assert_close(gen, plain, **TOL)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_embedding_only_engine_serves_the_merged_model(tiny_models, family):
+    """A Dedicated split's embedding server folds the adapter into its weights (the merged
+    embedding model the simulator's plan prices): the same hidden states as the runtime
+    adapter and as transformers with the adapter merged, and no adapter work per row."""
+    path = tiny_models[family]
+    sched = SchedulerConfig(token_budget=512, chunk_size=None)
+    merged = engine_on(path, adapter_dir=path / "adapter", policy="embedding-only", scheduler=sched)
+    runtime = engine_on(path, adapter_dir=path / "adapter", policy="ibs", scheduler=sched)
+    assert merged.adapter_merged and merged.model.adapter is None and not merged.adapter_per_row
+    assert runtime.adapter_per_row and "merged into the weights" in merged.describe()["embedding_adapter"]
+    ids = prompt_ids(29, seed=1)
+    ours = engine_hidden(merged, ids, RequestKind.EMBEDDING)
+    torch.testing.assert_close(ours, engine_hidden(runtime, ids, RequestKind.EMBEDDING), **TOL)
+    with torch.no_grad():
+        ref = hf_model(path, merge_adapter=True).model(torch.tensor([ids], device=DEVICE))
+    torch.testing.assert_close(ours, ref.last_hidden_state[0], **TOL)
+    for eng in (merged, runtime):
+        eng.add_embedding("e", token_ids=ids)
+        eng.run_until_idle()
+    assert merged.stats[-1].lora_rows == 0 < runtime.stats[-1].lora_rows
+
+
 def greedy(engine, rid, ids, n=12):
     engine.add_generation(rid, token_ids=ids, params=SamplingParams(max_tokens=n, temperature=0,
                                                                     ignore_eos=True))

@@ -67,9 +67,9 @@ def plan_replicas(scenario: Scenario, configuration: str, devices: list[Device],
                   adapter: str | None) -> list[ReplicaSpec]:
     """One spec per ``cluster.gpus`` replica, placed as the simulator places them.
 
-    A dedicated embedding replica loads the embedding adapter and applies it to every row it
-    runs (the same arithmetic as the merged embedding model the plan names); a generation
-    replica loads the base model alone."""
+    A dedicated embedding replica is given the embedding adapter and, serving embeddings
+    only, folds it into its weights at load (the merged embedding model the plan prices:
+    ``Decoder.merge_adapter``); a generation replica loads the base model alone."""
     check_configuration(configuration)
     plans = plan_configuration(scenario, configuration)
     if len(devices) != len(plans):
