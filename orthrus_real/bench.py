@@ -396,13 +396,26 @@ async def bench(url: str, scenario: Scenario, label: str = "measured", token_ran
 
         doc, rows = await measure(HttpTransport(client, model), scenario, label, token_range,
                                   scrape, on_progress)
-        replicas = len((await client.get("/health")).json().get("replicas", [None]))
-        if replicas != scenario.cluster.gpus:  # the simulated run would place another cluster
+        replicas = await served_replicas(client)
+        if replicas not in (None, scenario.cluster.gpus):  # the simulation would place another cluster
             doc["runs"][0]["metrics"]["warnings"].append(
                 f"the server at {url} runs {replicas} replica(s) but the scenario's cluster.gpus "
                 f"is {scenario.cluster.gpus}: set it (--set cluster.gpus={replicas}) to compare "
                 "with the simulator")
         return doc, rows
+
+
+async def served_replicas(client: httpx.AsyncClient) -> int | None:
+    """How many replicas the server runs, from its ``/health``: an Orthrus cluster lists them,
+    an Orthrus engine is one; None for a server whose health check says nothing of it (stock
+    vLLM answers 200 with no body)."""
+    try:
+        health = (await client.get("/health")).json()
+    except (ValueError, httpx.HTTPError):
+        return None
+    if not isinstance(health, dict):
+        return None
+    return len(health["replicas"]) if isinstance(health.get("replicas"), list) else 1
 
 
 async def bench_in_process(runner, metrics, scenario: Scenario, label: str = "measured",

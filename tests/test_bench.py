@@ -196,3 +196,22 @@ def test_bench_only_one_kind_repeated_and_pinned(live, tmp_path):
     assert "run-to-run CV" in res.output
     res = CliRunner().invoke(app, ["bench", str(path), "--url", live, "--only", "vision"])
     assert res.exit_code != 0 and "--only must be one of" in res.output
+
+
+@pytest.mark.parametrize("body, expected", [(b"", None), (b'{"status": "ok"}', 1),
+                                            (b'{"replicas": [{}, {}]}', 2), (b"[1]", None)])
+def test_served_replicas_reads_any_servers_health(body, expected):
+    """A stock server's /health (vLLM: 200, no body) is not an error: bench then knows no
+    replica count and warns of none; an Orthrus engine is one replica, a cluster lists them."""
+    import asyncio
+
+    import httpx
+
+    from orthrus_real.bench import served_replicas
+
+    async def go():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await served_replicas(client)
+
+    assert asyncio.run(go()) == expected
