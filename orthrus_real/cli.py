@@ -144,6 +144,14 @@ def serve(
                                       "carries decodes may take (predicted; needs --calibration)"),
     calibration: str = typer.Option(None, "--calibration", help="cost model fitted to this "
                                     "engine (`orthrus-real calibrate`): predicts iteration times"),
+    attention: str = typer.Option(None, "--attention", help="gather (contexts copied out of the "
+                                  "KV cache; default) | paged (the cache read in place)"),
+    cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="capture "
+                                     "decode steps as CUDA graphs (default: on CUDA with "
+                                     "--attention paged)"),
+    static_step: bool = typer.Option(None, "--static-step/--no-static-step", help="run decode "
+                                     "steps padded to fixed shapes (on with --cuda-graphs; on a "
+                                     "CPU: the same path without capture)"),
 ) -> None:
     """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine.
 
@@ -173,7 +181,9 @@ def serve(
         app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                              policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
                              served_model_name, device, dtype, pooling, threads, backend, api_key,
-                             max_inputs_per_request, calibration=calibration)
+                             max_inputs_per_request, calibration=calibration,
+                             engine_options={"attention": attention, "cuda_graphs": cuda_graphs,
+                                             "static_step": static_step})
     except (ValueError, RuntimeError) as exc:
         fail(exc)
     except KeyboardInterrupt:

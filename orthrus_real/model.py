@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from orthrus_real.attention import AttentionMetadata, paged_attention
 from orthrus_real.model_files import DecoderConfig, LoRAAdapter
+from orthrus_real.paged_attention import PagedMetadata, inplace_attention
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
@@ -107,9 +108,12 @@ class Decoder:
                 "up_proj": cfg.intermediate_size, "down_proj": cfg.hidden_size}[module]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list,
-                lora_rows: slice = slice(0, 0)) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata | PagedMetadata,
+                caches: list, lora_rows: slice = slice(0, 0)) -> torch.Tensor:
+        """``meta`` chooses the attention: gathered contexts (``attention.py``) or the cache read
+        in place (``paged_attention.py``)."""
         cfg = self.cfg
+        attend = inplace_attention if isinstance(meta, PagedMetadata) else paged_attention
         h = self.embed[input_ids]
         freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
         cos = torch.cat((freqs.cos(), freqs.cos()), -1)[:, None, :].to(cfg.dtype)
@@ -123,7 +127,7 @@ class Decoder:
             k = qkv[:, self.q_width:self.q_width + self.kv_width].view(t, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_width + self.kv_width:].view(t, cfg.num_kv_heads, cfg.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn = paged_attention(q, k, v, caches[i], meta, self.scale)
+            attn = attend(q, k, v, caches[i], meta, self.scale)
             attn = attn.reshape(t, self.q_width)
             o = F.linear(attn, layer["o"])
             self._lora(attn, o, i, ("o_proj",), lora_rows)
