@@ -199,12 +199,12 @@ def test_static_step_is_token_identical_under_every_mixed_policy(tiny_models, po
 
 def test_static_step_embeddings_preemption_and_abort(tiny_models):
     path = tiny_models["mistral"]
-    # no adapter: embedding chunks run static too; a cache of 30 blocks of 4 forces preemption
+    # no adapter: embedding chunks run static too; a cache of 20 blocks of 4 forces preemption
     specs = streams(6, seed=80)
     embeds = [(f"e{i}", prompt_ids(6 + 13 * i, seed=90 + i)) for i in range(3)]
     runs, engines = [], []
     for attention, static in VARIANTS:
-        eng = engine(path, attention, static, policy="ibs", kv_cache_tokens=120,
+        eng = engine(path, attention, static, policy="ibs", kv_cache_tokens=80,
                      scheduler=SchedulerConfig(token_budget=16, chunk_size=8, block_size=4))
         runs.append(drive(eng, specs[:5], specs[5:], embeds, abort_at=("g1", 6)))
         engines.append(eng)
