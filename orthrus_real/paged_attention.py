@@ -53,6 +53,7 @@ class PagedMetadata:
     kv_num_blocks: torch.Tensor  # (1, 1, ceil(T / Q_BLOCK)) int32
     kv_indices: torch.Tensor  # (1, 1, ceil(T / Q_BLOCK), NB) int32
     block_size: int
+    static: bool = False  # buffers of a static step: the kernel is compiled for this shape
     _block_mask: object = field(default=None, repr=False)
 
     def mask_mod(self):
@@ -174,7 +175,7 @@ def build(batch: BatchUnit, tables: dict[str, list[int]], block_size: int, num_b
 
 
 # ----- the attention -------------------------------------------------------------------------
-_compiled = None
+_compiled: dict[bool, object] = {}  # static shapes? -> compiled flex_attention
 _kernel_failed: str | None = None
 
 
@@ -200,21 +201,25 @@ def _note_kernel_failure(exc: Exception) -> None:
 
 def flex_paged(q: torch.Tensor, cache: torch.Tensor, meta: PagedMetadata, scale: float,
                compiled: bool = True) -> torch.Tensor:
-    """FlexAttention over the whole cache with the step's block mask (compiled on CUDA; eager
-    elsewhere, which evaluates the mask densely over every slot: for tests)."""
-    global _compiled
+    """FlexAttention over the whole cache with the step's block mask (compiled on CUDA: one
+    kernel per static bucket, one with dynamic shapes for the other steps, so that a new row
+    count does not recompile; eager elsewhere, which evaluates the mask densely over every
+    slot: for tests). The kernel's tiles are the mask's blocks (16 rows x one cache block, so
+    the compiled kernel needs a block size of at least 16), and the main kernel is forced:
+    flex-decoding takes no block list per query block of a packed batch."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = flex_attention
     if compiled:
-        if _compiled is None:
-            _compiled = torch.compile(flex_attention, dynamic=False)
-        fn = _compiled
+        if meta.static not in _compiled:
+            _compiled[meta.static] = torch.compile(flex_attention, dynamic=not meta.static)
+        fn = _compiled[meta.static]
     heads, kv_heads = q.shape[1], cache.shape[2]
     qf = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
     kf = cache[:, 0].transpose(0, 1).unsqueeze(0)  # (1, KVH, slots, D): a view of the cache
     vf = cache[:, 1].transpose(0, 1).unsqueeze(0)
-    options = {"BLOCK_M": Q_BLOCK, "BLOCK_N": meta.block_size} if compiled else None
+    options = {"BLOCK_M": Q_BLOCK, "BLOCK_N": meta.block_size,
+               "FORCE_USE_FLEX_ATTENTION": True} if compiled else None
     out = fn(qf, kf, vf, block_mask=meta.block_mask(), scale=scale,
              enable_gqa=heads != kv_heads, kernel_options=options)
     return out[0].transpose(0, 1)

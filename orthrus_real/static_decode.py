@@ -72,7 +72,7 @@ class StaticStep:
         return PagedMetadata(
             slot_mapping=full.slot_mapping[:n], positions=full.positions[:n], owner=full.owner[:n],
             logical=full.logical[:n + 1], kv_num_blocks=full.kv_num_blocks[:, :, :qblocks],
-            kv_indices=full.kv_indices[:, :, :qblocks], block_size=full.block_size)
+            kv_indices=full.kv_indices[:, :, :qblocks], block_size=full.block_size, static=True)
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
