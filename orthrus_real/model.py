@@ -40,6 +40,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+NARROW_ROWS = 256  # up to this many rows, a wide fp32 projection on a CPU is split ...
+SPLIT_COLS = 1024  # ... into column blocks of this many outputs
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; on a CPU in fp32 with few rows (decodes) and a wide weight (the fused
+    gate/up projection, the LM head), one matmul per block of 1024 output columns: MKL's fp32
+    GEMM at 64 rows took 12.3 ms for the 4096-wide gate/up of the `small` model on an AVX2 CPU
+    against 2 x 2.9 ms for its halves, and 76 against 49 ms for the 32000-wide LM head."""
+    if (x.dtype != torch.float32 or x.is_cuda or x.shape[0] > NARROW_ROWS
+            or w.shape[0] < 2 * SPLIT_COLS):
+        return F.linear(x, w, b)
+    parts = [F.linear(x, part) for part in w.split(SPLIT_COLS)]
+    out = torch.cat(parts, -1)
+    return out if b is None else out + b
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalised in fp32 (as Hugging Face does), scaled in the model dtype."""
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
@@ -121,7 +138,7 @@ class Decoder:
         t = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer["in_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             self._lora(x, qkv, i, ("q_proj", "k_proj", "v_proj"), lora_rows)
             q = qkv[:, :self.q_width].view(t, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_width:self.q_width + self.kv_width].view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -133,7 +150,7 @@ class Decoder:
             self._lora(attn, o, i, ("o_proj",), lora_rows)
             h = h + o
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
-            gu = F.linear(x, layer["gate_up"])
+            gu = linear(x, layer["gate_up"])
             self._lora(x, gu, i, ("gate_proj", "up_proj"), lora_rows)
             inter = cfg.intermediate_size
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
@@ -144,4 +161,4 @@ class Decoder:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

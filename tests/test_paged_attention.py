@@ -227,3 +227,25 @@ def test_engine_options_name_the_problem(tiny_models):
     eng = Engine(path, device="cpu", attention="paged", static_step=True)
     assert eng.describe()["static_step"].startswith("eager (no capture), buckets 8, 16")
     assert default_buckets(48) == (8, 16, 32, 48) and default_buckets(4096)[-1] == 256
+
+
+def test_cpu_fp32_shortcuts_equal_the_plain_ops():
+    # the gathering path's fp32 CPU decode (block-diagonal queries, no key copy) and the
+    # column-split projection for few rows give what the plain operations give
+    from orthrus_real.attention import _decodes, _decodes_fp32_cpu
+    from orthrus_real.model import NARROW_ROWS, SPLIT_COLS, linear
+
+    gen = torch.Generator().manual_seed(3)
+    for kvh, g in ((4, 3), (2, 1), (1, 6)):
+        qd = torch.randn(5, kvh, g, 16, generator=gen)
+        kv = torch.randn(5, 37, 2, kvh, 16, generator=gen)
+        bias = torch.zeros(5, 1, 1, 37)
+        bias[1, ..., 30:] = float("-inf")
+        torch.testing.assert_close(_decodes_fp32_cpu(qd, kv, bias, 0.25),
+                                   _decodes(qd, kv, bias, 0.25), atol=1e-5, rtol=1e-5)
+    w = torch.randn(2 * SPLIT_COLS + 100, 24, generator=gen)
+    b = torch.randn(w.shape[0], generator=gen)
+    for rows in (1, NARROW_ROWS, NARROW_ROWS + 1):
+        x = torch.randn(rows, 24, generator=gen)
+        torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b),
+                                   atol=1e-5, rtol=1e-5)
