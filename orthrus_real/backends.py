@@ -9,8 +9,12 @@ BACKENDS = ("torch", "vllm")
 def make_engine(backend: str, model: str, adapter: str | None = None, policy: str = "ibs",
                 scheduler=None, kv_cache_tokens: int = 32768, device: str | None = None,
                 dtype: str | None = None, threads: int = 0,
-                gpu_memory_utilization: float | None = None, calibration: str | None = None):
-    """Build the engine; call it in the thread that will step it."""
+                gpu_memory_utilization: float | None = None, calibration: str | None = None,
+                engine_options: dict | None = None):
+    """Build the engine; call it in the thread that will step it. ``engine_options`` (the
+    PyTorch engine's ``attention``, ``cuda_graphs``, ``static_step``): None leaves its
+    defaults."""
+    options = {k: v for k, v in (engine_options or {}).items() if v is not None}
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if threads:
@@ -18,6 +22,9 @@ def make_engine(backend: str, model: str, adapter: str | None = None, policy: st
 
         torch.set_num_threads(threads)
     if backend == "vllm":
+        if options:
+            raise ValueError(f"--{next(iter(options)).replace('_', '-')} applies to --backend "
+                             "torch only (vLLM runs its own attention and graphs)")
         if device not in (None, "auto"):
             raise ValueError("--device does not apply to --backend vllm (vLLM picks its platform)")
         from orthrus_real.vllm_backend.engine import VllmEngine
@@ -30,4 +37,4 @@ def make_engine(backend: str, model: str, adapter: str | None = None, policy: st
     from orthrus_real.engine import Engine
 
     return Engine(model, adapter_dir=adapter, policy=policy, scheduler=scheduler, device=device,
-                  dtype=dtype, kv_cache_tokens=kv_cache_tokens, calibration=calibration)
+                  dtype=dtype, kv_cache_tokens=kv_cache_tokens, calibration=calibration, **options)

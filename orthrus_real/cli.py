@@ -158,6 +158,14 @@ def serve(
     ray: str = typer.Option(None, "--ray", help="serve the replicas as a Ray Serve application: "
                             "local (a Ray instance of this process) or auto / ray://HOST:PORT (a "
                             "running Ray cluster)"),
+    attention: str = typer.Option(None, "--attention", help="gather (contexts copied out of the "
+                                  "KV cache; default) | paged (the cache read in place)"),
+    cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="capture "
+                                     "decode steps as CUDA graphs (default: on CUDA with "
+                                     "--attention paged)"),
+    static_step: bool = typer.Option(None, "--static-step/--no-static-step", help="run decode "
+                                     "steps padded to fixed shapes (on with --cuda-graphs; on a "
+                                     "CPU: the same path without capture)"),
 ) -> None:
     """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine (or from
     --replicas N engines behind one endpoint).
@@ -194,7 +202,10 @@ def serve(
             app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
                                  policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
                                  served_model_name, device, dtype, pooling, threads, backend,
-                                 api_key, max_inputs_per_request, calibration=calibration)
+                                 api_key, max_inputs_per_request, calibration=calibration,
+                                 engine_options={"attention": attention,
+                                                 "cuda_graphs": cuda_graphs,
+                                                 "static_step": static_step})
     except (ValueError, RuntimeError) as exc:
         fail(exc)
     except KeyboardInterrupt:

@@ -11,27 +11,42 @@ Request intake, stop handling and outputs are ``EngineBase``'s (shared with the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from orthrus_real import paged_attention
 from orthrus_real.attention import build_metadata
 from orthrus_real.device import choose_device, choose_dtype
 from orthrus_real.engine_base import EngineBase, RequestOutput, RequestRejected, _State
 from orthrus_real.model import Decoder
 from orthrus_real.model_files import read_adapter, read_weights
 from orthrus_real.sampling import sample
+from orthrus_real.static_decode import StaticStep, default_buckets
 from orthrus_sim.engine import BatchItem, BatchUnit, ItemKind, RequestState, SchedulerConfig
 
 __all__ = ["Engine", "RequestOutput", "RequestRejected"]
+
+ATTENTION = ("gather", "paged")
 
 
 class Engine(EngineBase):
     def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None,
                  policy: str = "ibs", scheduler: SchedulerConfig | None = None,
                  device: str | None = None, dtype: str | None = None,
-                 kv_cache_tokens: int = 32768, calibration: str | None = None) -> None:
+                 kv_cache_tokens: int = 32768, calibration: str | None = None,
+                 attention: str = "gather", cuda_graphs: bool | None = None,
+                 static_step: bool | None = None,
+                 static_buckets: tuple[int, ...] | None = None) -> None:
+        """``attention``: gather (contexts copied out of the cache; the CPU default) or paged
+        (the cache read in place, ``paged_attention.py``). ``static_step``: run decode-only
+        and decode-heavy steps as fixed-shape functions (``static_decode.py``; needs paged
+        attention), captured as CUDA graphs where ``cuda_graphs`` (default: on a CUDA device
+        with paged attention)."""
         super().__init__(model_dir)
+        if attention not in ATTENTION:
+            raise ValueError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
         self.device = choose_device(device)
         cfg = self._set_dtype(*choose_dtype(self.device, dtype, self.cfg.dtype))
         adapter = read_adapter(adapter_dir, cfg.num_layers) if adapter_dir else None
@@ -44,13 +59,49 @@ class Engine(EngineBase):
             self.model.merge_adapter()
             self.adapter_merged = True
         base = scheduler or SchedulerConfig()
+        if attention == "paged" and base.embedding_kv != "all":
+            # the paged path reads every row's keys and values back from the cache, its own
+            # included: an embedding's last chunk must be stored (and its blocks accounted)
+            base = replace(base, embedding_kv="all")
         num_blocks = max(1, kv_cache_tokens // base.block_size)
         self._make_policy(policy, base, num_blocks, base.block_size, calibration)
-        slots = num_blocks * base.block_size
+        self.attention = attention
+        # paged attention: one scratch block past the core's, where padding rows write
+        self.cache_blocks = num_blocks + (attention == "paged")
+        slots = self.cache_blocks * base.block_size
         self.caches = [  # per layer: (slot, K or V, kv head, head dim)
             torch.zeros(slots, 2, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
             for _ in range(cfg.num_layers)
         ]
+        self.static = self._static_step(cuda_graphs, static_step, static_buckets)
+
+    def _static_step(self, cuda_graphs: bool | None, static_step: bool | None,
+                     buckets: tuple[int, ...] | None) -> StaticStep | None:
+        on_cuda = self.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"--cuda-graphs needs a CUDA device (this engine runs on "
+                             f"{self.device})")
+        if cuda_graphs is None:
+            cuda_graphs = on_cuda and self.attention == "paged"
+        if static_step is None:
+            static_step = cuda_graphs
+        if cuda_graphs and not static_step:
+            raise ValueError("CUDA graphs capture the static step: static_step cannot be off "
+                             "with --cuda-graphs")
+        if not static_step:
+            return None
+        if self.attention != "paged":
+            raise ValueError("the static step (and --cuda-graphs) needs --attention paged: the "
+                             "gathering path's shapes change with every context length")
+        c = self.scheduler_config
+        return StaticStep(self.model, self.caches, self.cache_blocks, c.block_size,
+                          buckets or default_buckets(c.token_budget), self.device, cuda_graphs)
+
+    def describe(self) -> dict:
+        info = super().describe()
+        info["attention"] = self.attention
+        info["static_step"] = self.static.describe() if self.static else "off"
+        return info
 
     def _seeded_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -94,10 +145,15 @@ class Engine(EngineBase):
         ids = []
         for item in batch.items:
             ids.extend(item.request.payload.tokens[item.start:item.end])
+        tables, block_size = self.policy.blocks.tables, self.scheduler_config.block_size
+        lora_rows = batch.token_slice(ItemKind.EMBED_CHUNK) if self.model.adapter else slice(0, 0)
+        if self.static is not None and self.static.takes(batch, lora_rows):
+            return self.static.run(batch, ids, tables)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        meta = build_metadata(batch, self.policy.blocks.tables, self.scheduler_config.block_size,
-                              self.device, self.policy.writes_kv)
-        lora_rows = batch.token_slice(ItemKind.EMBED_CHUNK)
+        if self.attention == "paged":
+            meta = paged_attention.build(batch, tables, block_size, self.cache_blocks, self.device)
+        else:
+            meta = build_metadata(batch, tables, block_size, self.device, self.policy.writes_kv)
         return self.model.forward(input_ids, meta, self.caches, lora_rows)
 
     def _compute(self, batch: BatchUnit) -> tuple[torch.Tensor, list[int]]:

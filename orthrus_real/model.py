@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from orthrus_real.attention import AttentionMetadata, paged_attention
 from orthrus_real.model_files import DecoderConfig, LoRAAdapter
+from orthrus_real.paged_attention import PagedMetadata, inplace_attention
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
@@ -37,6 +38,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+NARROW_ROWS = 256  # up to this many rows, a wide fp32 projection on a CPU is split ...
+SPLIT_COLS = 1024  # ... into column blocks of this many outputs
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; on a CPU in fp32 with few rows (decodes) and a wide weight (the fused
+    gate/up projection, the LM head), one matmul per block of 1024 output columns: MKL's fp32
+    GEMM at 64 rows took 12.3 ms for the 4096-wide gate/up of the `small` model on an AVX2 CPU
+    against 2 x 2.9 ms for its halves, and 76 against 49 ms for the 32000-wide LM head."""
+    if (x.dtype != torch.float32 or x.is_cuda or x.shape[0] > NARROW_ROWS
+            or w.shape[0] < 2 * SPLIT_COLS):
+        return F.linear(x, w, b)
+    parts = [F.linear(x, part) for part in w.split(SPLIT_COLS)]
+    out = torch.cat(parts, -1)
+    return out if b is None else out + b
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -130,9 +148,12 @@ class Decoder:
                 "up_proj": cfg.intermediate_size, "down_proj": cfg.hidden_size}[module]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list,
-                lora_rows: slice = slice(0, 0)) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata | PagedMetadata,
+                caches: list, lora_rows: slice = slice(0, 0)) -> torch.Tensor:
+        """``meta`` chooses the attention: gathered contexts (``attention.py``) or the cache read
+        in place (``paged_attention.py``)."""
         cfg = self.cfg
+        attend = inplace_attention if isinstance(meta, PagedMetadata) else paged_attention
         h = self.embed[input_ids]
         freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
         cos = torch.cat((freqs.cos(), freqs.cos()), -1)[:, None, :].to(cfg.dtype)
@@ -140,19 +161,19 @@ class Decoder:
         t = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer["in_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             self._lora(x, qkv, i, ("q_proj", "k_proj", "v_proj"), lora_rows)
             q = qkv[:, :self.q_width].view(t, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_width:self.q_width + self.kv_width].view(t, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_width + self.kv_width:].view(t, cfg.num_kv_heads, cfg.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn = paged_attention(q, k, v, caches[i], meta, self.scale)
+            attn = attend(q, k, v, caches[i], meta, self.scale)
             attn = attn.reshape(t, self.q_width)
             o = F.linear(attn, layer["o"])
             self._lora(attn, o, i, ("o_proj",), lora_rows)
             h = h + o
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
-            gu = F.linear(x, layer["gate_up"])
+            gu = linear(x, layer["gate_up"])
             self._lora(x, gu, i, ("gate_proj", "up_proj"), lora_rows)
             inter = cfg.intermediate_size
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
@@ -163,4 +184,4 @@ class Decoder:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

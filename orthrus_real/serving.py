@@ -94,8 +94,10 @@ def build(model: str, adapter: str | None = None, policy: str = "ibs", scheduler
           served_model_name: str | None = None, device: str | None = None, dtype: str | None = None,
           pooling: str = "mean", threads: int = 0, backend: str = "torch",
           api_key: str | None = None, max_inputs_per_request: int = 256,
-          body_timeout: float = 30.0, calibration: str | None = None):
-    """Engine thread, metrics and app; the engine is ready when this returns."""
+          body_timeout: float = 30.0, calibration: str | None = None,
+          engine_options: dict | None = None):
+    """Engine thread, metrics and app; the engine is ready when this returns.
+    ``engine_options``: the PyTorch engine's attention and static-step settings."""
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the option (and "
                          "ORTHRUS_API_KEY) unset to serve without authentication")
@@ -105,7 +107,8 @@ def build(model: str, adapter: str | None = None, policy: str = "ibs", scheduler
 
     def make_engine():
         return backends.make_engine(backend, model, adapter, policy, scheduler, kv_cache_tokens,
-                                    device, dtype, threads, calibration=calibration)
+                                    device, dtype, threads, calibration=calibration,
+                                    engine_options=engine_options)
 
     runner = EngineThread(make_engine, max_queued=max_queued)
     metrics = EngineMetrics.attach(runner)

@@ -54,7 +54,9 @@ class EngineServer:
             opts.max_queued, opts.max_body_bytes,
             opts.served_model_name or os.path.basename(opts.model.rstrip("/")), device,
             opts.dtype, opts.pooling, spec.threads, opts.backend, opts.api_key,
-            opts.max_inputs_per_request, calibration=calibration)
+            opts.max_inputs_per_request, calibration=calibration,
+            engine_options={"attention": opts.attention, "cuda_graphs": opts.cuda_graphs,
+                            "static_step": opts.static_step})
         host = ray.util.get_node_ip_address()
         sock = bind_socket(host, 0)
         self.url = f"http://{host}:{sock.getsockname()[1]}"

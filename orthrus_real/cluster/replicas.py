@@ -108,6 +108,9 @@ class ServeOptions:
     model_limit_given: bool = False  # the scenario sets scheduler.max_model_len
     log_level: str = "info"
     api_key: str | None = None  # the gateway's; each replica requires it too
+    attention: str | None = None  # the engine's hot path (serve --attention, ...): as given
+    cuda_graphs: bool | None = None
+    static_step: bool | None = None
 
 
 def child_command(spec: ReplicaSpec, opts: ServeOptions, port: int) -> list[str]:
@@ -130,6 +133,11 @@ def child_command(spec: ReplicaSpec, opts: ServeOptions, port: int) -> list[str]
         cmd += ["--dtype", opts.dtype]
     if opts.calibration and plan.config.tpot_target_s is not None:
         cmd += ["--calibration", opts.calibration]
+    if opts.attention:
+        cmd += ["--attention", opts.attention]
+    for flag, value in (("cuda-graphs", opts.cuda_graphs), ("static-step", opts.static_step)):
+        if value is not None:
+            cmd.append(f"--{flag}" if value else f"--no-{flag}")
     return cmd
 
 

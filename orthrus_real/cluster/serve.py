@@ -43,7 +43,9 @@ def cluster_from_cli(o: dict, chunk: int | str | None):
                         o["served_model_name"], o["pooling"], o["dtype"], o["backend"],
                         o["max_inputs_per_request"], o["calibration"],
                         model_limit_given=o["max_model_len"] is not None,
-                        log_level=o["log_level"], api_key=o["api_key"])
+                        log_level=o["log_level"], api_key=o["api_key"],
+                        attention=o["attention"], cuda_graphs=o["cuda_graphs"],
+                        static_step=o["static_step"])
     adapter = o["embedding_adapter"]
     args = ClusterArgs(o["replicas"], o["configuration"], o["devices"] or o["device"], o["router"],
                        o["threads"], str(adapter) if adapter else None, o["auto_restart"])

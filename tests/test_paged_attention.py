@@ -1,0 +1,251 @@
+"""In-place paged attention against the gathering path, and the static step against the
+dynamic one (orthrus_real/paged_attention.py, orthrus_real/static_decode.py). All on the CPU:
+the static path runs there without capture; the compiled kernel and the capture are GPU-only."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from orthrus_real import paged_attention as pa  # noqa: E402
+from orthrus_real.attention import build_metadata, paged_attention  # noqa: E402
+from orthrus_real.engine import Engine  # noqa: E402
+from orthrus_real.sampling import SamplingParams  # noqa: E402
+from orthrus_real.static_decode import default_buckets  # noqa: E402
+from orthrus_sim.engine import Request, RequestKind, SchedulerConfig  # noqa: E402
+from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind  # noqa: E402
+
+from .test_real_engine import MIXED_POLICIES, prompt_ids  # noqa: E402
+
+CPU = torch.device("cpu")
+DEVICE = os.environ.get("ORTHRUS_TEST_DEVICE") or "cpu"
+
+
+def random_step(draw, block_size: int):
+    """A batch of fresh chunks, chunks with context and decodes (kinds sorted as the core
+    sorts them), tables drawn from a shuffled pool bigger than what they use (so some blocks
+    belong to no one, and tables are in no order)."""
+    specs = draw(st.lists(st.tuples(st.sampled_from(["fresh", "context", "decode"]),
+                                    st.integers(0, 40), st.integers(1, 20)),
+                          min_size=1, max_size=7))
+    order = {"fresh": 0, "context": 0, "decode": 1}
+    specs.sort(key=lambda s: order[s[0]])
+    need = sum(-(-(ctx + n) // block_size) + 1 for _, ctx, n in specs)
+    pool = list(range(need + draw(st.integers(0, 6))))
+    random.Random(draw(st.integers(0, 10**6))).shuffle(pool)
+    items, tables = [], {}
+    for i, (kind, ctx, n) in enumerate(specs):
+        start, n = {"fresh": (0, n), "context": (ctx + 1, n), "decode": (ctx + 1, 1)}[kind]
+        item_kind = ItemKind.DECODE if kind == "decode" else ItemKind.PREFILL_CHUNK
+        req = Request(f"r{i}", RequestKind.GENERATION, 0.0, start + n, max_output_tokens=4)
+        # a table may hold more blocks than the item reaches (a decode's next block, say)
+        blocks = -(-(start + n) // block_size) + draw(st.integers(0, 1))
+        tables[req.request_id] = [pool.pop() for _ in range(blocks)]
+        items.append(BatchItem(req, item_kind, start, n))
+    batch = BatchUnit(4096, items=items, total_tokens=sum(it.num_tokens for it in items))
+    return batch, tables, len(pool) + sum(map(len, tables.values()))
+
+
+@st.composite
+def steps(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    heads, kv_heads = draw(st.sampled_from([(4, 4), (4, 2), (6, 1)]))
+    return (block_size, heads, kv_heads, *random_step(draw, block_size),
+            draw(st.integers(0, 24)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps())
+def test_inplace_attention_equals_the_gathering_path(case):
+    block_size, heads, kv_heads, batch, tables, num_blocks, padding = case
+    gen = torch.Generator().manual_seed(num_blocks)
+    dim, t = 8, batch.total_tokens
+    cache = torch.randn((num_blocks + 1) * block_size, 2, kv_heads, dim, generator=gen)
+    q = torch.randn(t, heads, dim, generator=gen)
+    k = torch.randn(t, kv_heads, dim, generator=gen)
+    v = torch.randn(t, kv_heads, dim, generator=gen)
+    ref_cache = cache.clone()
+    ref = paged_attention(q, k, v, ref_cache, build_metadata(batch, tables, block_size, CPU), 0.3)
+    # the step's own size
+    meta = pa.build(batch, tables, block_size, num_blocks + 1, CPU)
+    got_cache = cache.clone()
+    got = pa.inplace_attention(q, k, v, got_cache, meta, 0.3)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_cache, ref_cache, atol=0, rtol=0)
+    # eager FlexAttention (the mask function the CUDA kernel runs) over the written cache
+    flex = pa.flex_paged(q, got_cache, meta, 0.3, compiled=False)
+    torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
+    # padded to a static size: the real rows unchanged, padding rows 0, only scratch written
+    rows = t + padding
+    static = pa.empty_metadata(rows, num_blocks + 1, block_size, CPU)
+    pa.build(batch, tables, block_size, num_blocks + 1, CPU, static)
+    pad = (torch.randn(padding, heads, dim, generator=gen),
+           torch.randn(padding, kv_heads, dim, generator=gen),
+           torch.randn(padding, kv_heads, dim, generator=gen))
+    pad_cache = cache.clone()
+    out = pa.inplace_attention(torch.cat((q, pad[0])), torch.cat((k, pad[1])),
+                               torch.cat((v, pad[2])), pad_cache, static, 0.3)
+    torch.testing.assert_close(out[:t], ref, atol=1e-5, rtol=1e-5)
+    assert out[t:].abs().max().item() == 0 if padding else True
+    real = num_blocks * block_size
+    torch.testing.assert_close(pad_cache[:real], ref_cache[:real], atol=0, rtol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps())
+def test_block_mask_lists_exactly_the_blocks_with_visible_slots(case):
+    # what the compiled kernel relies on: every (query block, cache block) pair that holds a
+    # visible slot is listed once, and nothing else is
+    block_size, _, _, batch, tables, num_blocks, _ = case
+    meta = pa.build(batch, tables, block_size, num_blocks + 1, CPU)
+    t, slots = batch.total_tokens, (num_blocks + 1) * block_size
+    visible = meta.mask_mod()
+    qi = torch.arange(t)[:, None].expand(t, slots)
+    ki = torch.arange(slots)[None, :].expand(t, slots)
+    dense = torch.vmap(torch.vmap(lambda a, b: visible(0, 0, a, b)))(qi, ki)
+    for i, n in enumerate(meta.kv_num_blocks.view(-1).tolist()):
+        listed = meta.kv_indices[0, 0, i, :n].tolist()
+        assert len(set(listed)) == n
+        rows = dense[i * pa.Q_BLOCK:(i + 1) * pa.Q_BLOCK].view(-1, num_blocks + 1, block_size)
+        needed = rows.any(0).any(-1).nonzero().view(-1).tolist()
+        assert sorted(listed) == needed
+
+
+# ----- the static step in the engine ---------------------------------------------------------
+VARIANTS = (("gather", False), ("paged", False), ("paged", True))  # dynamic x2, then static
+
+
+def engine(path, attention, static, **kw):
+    kw.setdefault("device", DEVICE)
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("static_buckets", (4, 8, 16))
+    return Engine(path, attention=attention, static_step=static, **kw)
+
+
+def generate(eng, specs):
+    for rid, ids, n in specs:
+        eng.add_generation(rid, token_ids=ids, params=SamplingParams(max_tokens=n, temperature=0,
+                                                                     ignore_eos=True))
+
+
+def drive(eng, first, later, embeds=(), abort_at=None, later_at=12):
+    """Run ``first`` streams and ``embeds``; after ``later_at`` steps add ``later``; abort
+    ``abort_at`` (rid, step) if given. Returns ({rid: tokens}, {rid: embedding}, rows per
+    step)."""
+    generate(eng, first)
+    for rid, ids in embeds:
+        eng.add_embedding(rid, token_ids=ids)
+    tokens, vectors, rows = {}, {}, []
+    step = 0
+    while eng.has_work:
+        if step == later_at:
+            generate(eng, later)
+        if abort_at and step == abort_at[1]:
+            eng.abort(abort_at[0])
+        before = eng.iterations
+        for out in eng.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+                if out.embedding is not None:
+                    vectors[out.request_id] = out.embedding
+        if eng.iterations > before:
+            rows.append(eng.stats[-1].total_tokens)
+        step += 1
+    assert eng.policy.blocks.num_used == 0
+    return tokens, vectors, rows
+
+
+def streams(n, seed=40):
+    return [(f"g{i}", prompt_ids(5 + 3 * i, seed=seed + i), 16 + i % 4) for i in range(n)]
+
+
+def assert_same(runs, what):
+    (tok0, vec0, _), *rest = runs
+    for tok, vec, _ in rest:
+        assert tok == tok0, what
+        for rid in vec0:
+            torch.testing.assert_close(torch.tensor(vec[rid]), torch.tensor(vec0[rid]),
+                                       atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", MIXED_POLICIES)
+def test_static_step_is_token_identical_under_every_mixed_policy(tiny_models, policy):
+    path = tiny_models["llama"]
+    # 7 then 9 streams: steps of 7 and 8 rows (bucket 8), 9-16 (bucket 16, just over 8); mixed
+    # steps over the largest bucket (16) run dynamically, and so do adapter rows
+    specs = streams(9)
+    embeds = [(f"e{i}", prompt_ids(9 + 11 * i, seed=60 + i)) for i in range(3)]
+    runs = []
+    for attention, static in VARIANTS:
+        eng = engine(path, attention, static, adapter_dir=path / "adapter", policy=policy,
+                     scheduler=SchedulerConfig(token_budget=24, chunk_size=8, block_size=4),
+                     kv_cache_tokens=512)
+        runs.append(drive(eng, specs[:7], specs[7:], embeds))
+        if static:
+            sizes = runs[-1][2]
+            assert {7, 8} <= set(sizes) and any(8 < n <= 16 for n in sizes), sizes
+            assert any(n > 16 for n in sizes), sizes
+            assert eng.static.fallbacks and sum(eng.static.fallbacks.values()) < len(runs[-1][2])
+    assert len(runs[0][0]) == 12
+    assert_same(runs, policy)
+
+
+def test_static_step_embeddings_preemption_and_abort(tiny_models):
+    path = tiny_models["mistral"]
+    # no adapter: embedding chunks run static too; a cache of 20 blocks of 4 forces preemption
+    specs = streams(6, seed=80)
+    embeds = [(f"e{i}", prompt_ids(6 + 13 * i, seed=90 + i)) for i in range(3)]
+    runs, engines = [], []
+    for attention, static in VARIANTS:
+        eng = engine(path, attention, static, policy="ibs", kv_cache_tokens=80,
+                     scheduler=SchedulerConfig(token_budget=16, chunk_size=8, block_size=4))
+        runs.append(drive(eng, specs[:5], specs[5:], embeds, abort_at=("g1", 6)))
+        engines.append(eng)
+    assert engines[2].policy.preemptions["generation"] > 0
+    assert not engines[2].static.fallbacks  # every step fitted a bucket
+    assert "g1" not in runs[0][0] and len(runs[0][1]) == 3
+    assert_same(runs, "preemption")
+
+
+def test_engine_options_name_the_problem(tiny_models):
+    path = tiny_models["llama"]
+    with pytest.raises(ValueError, match="--attention must be one of gather, paged"):
+        Engine(path, device="cpu", attention="flash")
+    with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA device"):
+        Engine(path, device="cpu", attention="paged", cuda_graphs=True)
+    with pytest.raises(ValueError, match="needs --attention paged"):
+        Engine(path, device="cpu", static_step=True)
+    with pytest.raises(ValueError, match="static buckets"):
+        Engine(path, device="cpu", attention="paged", static_step=True, static_buckets=(0,))
+    eng = Engine(path, device="cpu", attention="paged", static_step=True)
+    assert eng.describe()["static_step"].startswith("eager (no capture), buckets 8, 16")
+    assert default_buckets(48) == (8, 16, 32, 48) and default_buckets(4096)[-1] == 256
+
+
+def test_cpu_fp32_shortcuts_equal_the_plain_ops():
+    # the gathering path's fp32 CPU decode (block-diagonal queries, no key copy) and the
+    # column-split projection for few rows give what the plain operations give
+    from orthrus_real.attention import _decodes, _decodes_fp32_cpu
+    from orthrus_real.model import NARROW_ROWS, SPLIT_COLS, linear
+
+    gen = torch.Generator().manual_seed(3)
+    for kvh, g in ((4, 3), (2, 1), (1, 6)):
+        qd = torch.randn(5, kvh, g, 16, generator=gen)
+        kv = torch.randn(5, 37, 2, kvh, 16, generator=gen)
+        bias = torch.zeros(5, 1, 1, 37)
+        bias[1, ..., 30:] = float("-inf")
+        torch.testing.assert_close(_decodes_fp32_cpu(qd, kv, bias, 0.25),
+                                   _decodes(qd, kv, bias, 0.25), atol=1e-5, rtol=1e-5)
+    w = torch.randn(2 * SPLIT_COLS + 100, 24, generator=gen)
+    b = torch.randn(w.shape[0], generator=gen)
+    for rows in (1, NARROW_ROWS, NARROW_ROWS + 1):
+        x = torch.randn(rows, 24, generator=gen)
+        torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b),
+                                   atol=1e-5, rtol=1e-5)
