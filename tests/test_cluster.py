@@ -391,3 +391,32 @@ def test_each_replica_is_given_the_engine_hot_path_options(tiny_models):
         assert "--no-cuda-graphs" in cmd and "--static-step" in cmd
     plain = child_command(specs[0], ServeOptions(str(tiny_models["llama"])), 9999)
     assert "--attention" not in plain and not any("graphs" in c or "static" in c for c in plain)
+
+
+def test_adaptive_placement_packs_generations_over_real_replicas(tiny_models):
+    """``--router adaptive`` with a target over the gateway's replicas: while embeddings queue,
+    generations are packed onto the decoding side (one replica while it holds the target) and
+    embeddings go where they finish first (mostly the other), as in the simulator's cluster."""
+    from orthrus_real.cluster.serve import ClusterArgs, make_replicas
+    from orthrus_sim.engine.request import Request, RequestKind
+    from orthrus_sim.experiment.routing import AdaptivePlacement, make_router
+
+    # the tiny model's decode step is predicted at ~2 ms: a 5 ms target leaves room to pack
+    sc = parse_scenario({"name": "t", "num_requests": 1, "model": str(tiny_models["llama"]),
+                         "cluster": {"gpus": 2, "router": "adaptive"},
+                         "scheduler": {"tpot_target_s": 0.005}, "configurations": ["orthrus"]})
+    args = ClusterArgs(replicas=2, configuration="orthrus", devices="cpu:0,cpu:0",
+                       router="adaptive", threads=1, adapter=None)
+    replicas = make_replicas(sc, "orthrus", args)
+    target = replicas[0].spec.plan.config.tpot_target_s
+    router = make_router("adaptive", replicas, target, sc.cluster.adaptive_pack)
+    assert isinstance(router, AdaptivePlacement) and target == 0.005
+    for i in range(100):  # embeddings queue on both replicas
+        router.route(Request(f"e{i}", RequestKind.EMBEDDING, 0.0, 256))
+    gens = [router.route(Request(f"g{i}", RequestKind.GENERATION, 0.0, 32, max_output_tokens=8))
+            for i in range(4)]
+    assert len({g.index for g in gens}) == 1 and len(router.decoding()) == 1  # packed
+    late = [router.route(Request(f"x{i}", RequestKind.EMBEDDING, 0.0, 256)).index
+            for i in range(20)]
+    # new embeddings go mostly to the replica that does not decode
+    assert late.count(gens[0].index) < late.count(1 - gens[0].index)
