@@ -149,9 +149,6 @@ def install() -> None:
     """Point vLLM's CPU punica wrapper at these ops (its module-level names)."""
     from vllm.lora.punica_wrapper import punica_cpu
 
-    punica_cpu.sgmv_shrink = sgmv_shrink
-    punica_cpu.sgmv_expand = sgmv_expand
-    punica_cpu.sgmv_expand_slice = sgmv_expand_slice
-    punica_cpu.bgmv_shrink = bgmv_shrink
-    punica_cpu.bgmv_expand = bgmv_expand
-    punica_cpu.bgmv_expand_slice = bgmv_expand_slice
+    for op in (sgmv_shrink, sgmv_expand, sgmv_expand_slice, bgmv_shrink, bgmv_expand,
+               bgmv_expand_slice):
+        setattr(punica_cpu, op.__name__, op)
