@@ -338,6 +338,38 @@ def test_segment_lora_ops_equal_vllms_and_skip_tokens_without_adapter():
     assert out[10:15].abs().max() == 0 and out[:10].abs().max() > 0
 
 
+def test_per_token_lora_ops_equal_vllms_and_skip_rows_without_adapter():
+    """The decode-only path (bgmv): the same results as vLLM's gathering ops, whose -1 ("no
+    adapter") is the last slot, kept empty by the engine; rows without an adapter get none
+    and, with nothing to add, are left as they were."""
+    import torch
+    from vllm.lora.ops import torch_ops as ref
+
+    from orthrus_real.vllm_backend import lora_cpu as seg
+
+    gen = torch.Generator().manual_seed(1)
+    T, d_in, r, d_out = 19, 24, 4, 40
+    x, xs = torch.randn(T, d_in, generator=gen), torch.randn(T, r, generator=gen)
+    a, b = torch.randn(3, 1, r, d_in, generator=gen), torch.randn(3, 1, d_out, r, generator=gen)
+    a[-1], b[-1] = 0, 0  # the empty slot that -1 reaches in vLLM's ops
+    for indices in (torch.tensor([0, 1, -1, 0, 1] * 3 + [-1, -1, 0, 1]),
+                    torch.zeros(T, dtype=torch.long), torch.full((T,), -1)):
+        for add in (False, True):
+            calls = [("bgmv_shrink", (x, a), (T, r), (0.5,)),
+                     ("bgmv_expand", (xs, b), (T, d_out), (add,)),
+                     ("bgmv_expand_slice", (xs, b), (T, d_out + 10), (5, d_out, add))]
+            for name, inputs, shape, tail in calls:
+                want = torch.randn(*shape, generator=gen)
+                got = want.clone()
+                getattr(ref, name)(*inputs, want, indices, *tail)
+                getattr(seg, name)(*inputs, got, indices, *tail)
+                assert torch.allclose(got, want, atol=1e-5), (name, add, indices.tolist())
+    before = torch.randn(T, d_out, generator=gen)
+    out = before.clone()
+    seg.bgmv_expand(xs, b, out, torch.full((T,), -1), True)
+    assert torch.equal(out, before)
+
+
 def test_the_plug_in_runs_the_whole_config_it_is_handed(model64):
     """Issue 25: the plug-in got a hand-picked subset (no kv_admission: reserve ran as
     optimistic). Every field but those vLLM decides now arrives, non-default values included."""

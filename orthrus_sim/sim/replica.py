@@ -1,10 +1,14 @@
 """A replica: one model instance on one GPU, as a SimPy process.
 
 Its loop is the brief's three stages: ask the shared policy for a batch unit, hold for the cost
-model's iteration time, then complete the items. When only identical decode iterations can
-follow (nothing waits, nobody finishes, the KV cache can grow), it advances the whole run in
-one step, cut short at the first iteration boundary after a new request arrives, so the result
-is what stepping one iteration at a time gives.
+model's iteration time, then complete the items. A request that arrives while an iteration is in
+flight enters the policy when that iteration ends, as in a real engine, whose thread takes new
+requests in between steps (``orthrus_real/engine_thread.py``, vLLM's engine core): a policy whose
+choice depends on when work became ready (Unified-Homo) then sees what the real one sees.
+
+When only identical decode iterations can follow (nothing waits, nobody finishes, the KV cache
+can grow), it advances the whole run in one step, cut short at the first iteration boundary
+after a new request arrives, so the result is what stepping one iteration at a time gives.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class Replica:
         self.adapter = getattr(cost, "lora", None) is not None
         self._wake: simpy.Event | None = None  # what the replica waits on: work, or a run's segment
         self._arrived = False  # work arrived during the decode run in flight
+        self._stepping = False  # an iteration (or decode run) is in flight
+        self._inbox: list[Request] = []  # arrived while it was: they enter when it ends
         self._run: tuple | None = None  # a decode run in flight: batch, shape, start, ends
         # the iteration (or run) in flight: start, end, its shape and steps (work priced lazily)
         self._in_flight: tuple[float, float, BatchShape, int] | None = None
@@ -106,16 +112,30 @@ class Replica:
         self._admit(request)
 
     def _admit(self, request: Request) -> None:
-        now = self.env.now
-        if not self.policy.add(request, now):
-            self.on_leave(request, self)
-            return
         work = request.remaining_work(True)
         self._work[request.request_id] = work
         self.outstanding_work += work
+        if self._stepping:
+            self._inbox.append(request)
+        else:
+            self._enter(request)
         self._arrived = True
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
+
+    def _enter(self, request: Request) -> None:
+        """Hand ``request`` to the policy now (it becomes ready now)."""
+        if not self.policy.add(request, self.env.now):
+            self.outstanding_work -= self._work.pop(request.request_id, 0)
+            self.on_leave(request, self)
+
+    def _take_inbox(self) -> None:
+        """Between iterations: the requests that arrived during the last one enter, in the
+        order they arrived."""
+        self._stepping = False
+        inbox, self._inbox = self._inbox, []
+        for request in inbox:
+            self._enter(request)
 
     def _leave(self, requests: list[Request]) -> None:
         for req in requests:
@@ -149,12 +169,14 @@ class Replica:
     def run(self):
         env, policy, cost = self.env, self.policy, self.cost
         while True:
+            self._take_inbox()
             batch = policy.schedule(env.now)
             if not batch:
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None
                 continue
+            self._stepping = True
             shape = BatchShape.from_batch(batch, adapter=self.adapter)
             phases = steady_decode_phases(policy, batch) if self.fast_forward else []
             if phases and phases[-1][0] > 1:
