@@ -196,6 +196,11 @@ def completions(metrics: dict) -> dict:
     return {kind: done.get(kind) for kind in ("embedding", "generation")}
 
 
+# what a stored run was measured with: ``--tables-only`` writes its tables with these
+RUN_ARGUMENTS = ("duration", "warmup", "clients", "repeat", "target_factor", "engine_cpus",
+                 "client_cpus", "min_completions")
+
+
 def table_lines(results: list[dict], args, wall: float) -> list[str]:
     machine = this_machine()
     engine = ("the PyTorch engine (baselines and treatment)" if args.backend == "torch" else
@@ -294,7 +299,7 @@ def write_docs(lines: list[str], backend: str) -> Path:
     return path
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="torch", choices=("torch", "vllm"))
@@ -321,7 +326,11 @@ def main() -> None:
     parser.add_argument("--note", default=None, help="a caveat printed with the table")
     parser.add_argument("--tables-only", action="store_true", help="measure nothing: the tables "
                         "from OUT/summary-BACKEND.json of an earlier run")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     args.configurations = [c for c in args.configurations.split(",") if c]
     args.calibration = args.calibration or str(
         ROOT / "calibration" / ("cpu-2core-small-vllm.json" if args.backend == "vllm"
@@ -333,9 +342,11 @@ def main() -> None:
     parse_cpus(args.engine_cpus, "--engine-cpus")
     pin_process(parse_cpus(args.client_cpus, "--client-cpus"))
     summary = args.out / f"summary-{args.backend}.json"
-    if args.tables_only:  # the tables again from the stored results (same arguments)
+    if args.tables_only:  # the tables again from the stored results, with the run's arguments
         stored = json.loads(summary.read_text())
         results, wall = stored["mixes"], stored["wall_s"]
+        for name, value in stored.get("arguments", {}).items():
+            setattr(args, name, value)
     else:
         started = time.time()
         results = []
@@ -345,7 +356,8 @@ def main() -> None:
             results.append(one_mix(args, mix, MIXES[mix], console))
         wall = time.time() - started
         args.out.mkdir(parents=True, exist_ok=True)
-        summary.write_text(json.dumps({"mixes": results, "wall_s": wall}, indent=2) + "\n")
+        summary.write_text(json.dumps({"mixes": results, "wall_s": wall, "arguments": {
+            name: getattr(args, name) for name in RUN_ARGUMENTS}}, indent=2) + "\n")
     lines = table_lines(results, args, wall)
     (args.out / f"table-{args.backend}.md").write_text("\n".join(lines) + "\n")
     console.print("\n".join(lines), markup=False, highlight=False)

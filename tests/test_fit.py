@@ -237,6 +237,8 @@ def test_fit_validation_tables_and_docs_section(tmp_path, monkeypatch):
     assert fv.treatment_target(0.0, generation) is None
     with pytest.raises(SystemExit, match="no TPOT"):
         fv.treatment_target(2.0, {"runs": [{"metrics": {"latency_s": {"tpot": None}}}]})
+    # a stored run keeps what it was measured with (--tables-only writes its tables with that)
+    assert set(fv.RUN_ARGUMENTS) <= set(vars(fv.arguments().parse_args([])))
     lines = fv.table_lines(results, args, 12.0)
     doc = tmp_path / "docs" / "fidelity.md"
     doc.parent.mkdir()
