@@ -311,6 +311,23 @@ def test_seeded_sampling_does_not_depend_on_chunking(vengine):
     assert crowded == alone and len(alone) == 12
 
 
+def _compare_lora_ops(ref, seg, kind: str, x, xs, a, b, routing: tuple, add: bool, gen) -> None:
+    """vLLM's ``{kind}_shrink/expand/expand_slice`` (``ref``) against ours (``seg``) on the same
+    inputs, into the same random output (so ``add`` is checked too)."""
+    import torch
+
+    rows, rank, d_out = x.shape[0], a.shape[2], b.shape[2]
+    calls = [(f"{kind}_shrink", (x, a), (rows, rank), (0.5,)),
+             (f"{kind}_expand", (xs, b), (rows, d_out), (add,)),
+             (f"{kind}_expand_slice", (xs, b), (rows, d_out + 10), (5, d_out, add))]
+    for name, inputs, shape, tail in calls:
+        want = torch.randn(*shape, generator=gen)
+        got = want.clone()
+        getattr(ref, name)(*inputs, want, *routing, *tail)
+        getattr(seg, name)(*inputs, got, *routing, *tail)
+        assert torch.allclose(got, want, atol=1e-5), (name, add, routing)
+
+
 def test_segment_lora_ops_equal_vllms_and_skip_tokens_without_adapter():
     import torch
     from vllm.lora.ops import torch_ops as ref
@@ -323,15 +340,7 @@ def test_segment_lora_ops_equal_vllms_and_skip_tokens_without_adapter():
     a, b = torch.randn(2, 1, r, d_in, generator=gen), torch.randn(2, 1, d_out, r, generator=gen)
     meta = (torch.tensor([0, 10, 15]), torch.tensor([10, 5, 22]), torch.tensor([0, 1, 0]), 3, 22, T)
     for add in (False, True):
-        calls = [("sgmv_shrink", (x, a), (T, r), (0.5,)),
-                 ("sgmv_expand", (xs, b), (T, d_out), (add,)),
-                 ("sgmv_expand_slice", (xs, b), (T, d_out + 10), (5, d_out, add))]
-        for name, inputs, shape, tail in calls:
-            want = torch.randn(*shape, generator=gen)
-            got = want.clone()
-            getattr(ref, name)(*inputs, want, *meta, *tail)
-            getattr(seg, name)(*inputs, got, *meta, *tail)
-            assert torch.allclose(got, want, atol=1e-5), (name, add)
+        _compare_lora_ops(ref, seg, "sgmv", x, xs, a, b, meta, add, gen)
     no_adapter = (meta[0], meta[1], torch.tensor([0, -1, 0]), 3, 22, T)
     out = torch.zeros(T, d_out)
     seg.sgmv_expand(xs, b, out, *no_adapter, True)
@@ -355,15 +364,7 @@ def test_per_token_lora_ops_equal_vllms_and_skip_rows_without_adapter():
     for indices in (torch.tensor([0, 1, -1, 0, 1] * 3 + [-1, -1, 0, 1]),
                     torch.zeros(T, dtype=torch.long), torch.full((T,), -1)):
         for add in (False, True):
-            calls = [("bgmv_shrink", (x, a), (T, r), (0.5,)),
-                     ("bgmv_expand", (xs, b), (T, d_out), (add,)),
-                     ("bgmv_expand_slice", (xs, b), (T, d_out + 10), (5, d_out, add))]
-            for name, inputs, shape, tail in calls:
-                want = torch.randn(*shape, generator=gen)
-                got = want.clone()
-                getattr(ref, name)(*inputs, want, indices, *tail)
-                getattr(seg, name)(*inputs, got, indices, *tail)
-                assert torch.allclose(got, want, atol=1e-5), (name, add, indices.tolist())
+            _compare_lora_ops(ref, seg, "bgmv", x, xs, a, b, (indices,), add, gen)
     before = torch.randn(T, d_out, generator=gen)
     out = before.clone()
     seg.bgmv_expand(xs, b, out, torch.full((T,), -1), True)
