@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -45,11 +46,26 @@ class Cluster:
              str(self.port), "--replicas", str(replicas), "--devices", devices or devices_arg(),
              "--threads", "1", "--kv-cache-tokens", "8192", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: list[str] = []  # read as it comes, so a test can wait for a log line
+        self.reader = threading.Thread(target=self.read_output, daemon=True)
+        self.reader.start()
         try:
             wait_healthy(self.url, start_timeout, self.proc)
         except RuntimeError:
             print(self.close()[-5000:])
             raise
+
+    def read_output(self) -> None:
+        for raw in self.proc.stdout:
+            self.lines.append(raw.decode(errors="replace"))
+
+    def wait_for_log(self, text: str, timeout: float = 120.0) -> None:
+        """Until the server has logged ``text`` (e.g. the Ray driver's own "ready" line)."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.lines)):
+            assert self.proc.poll() is None and time.monotonic() < deadline, \
+                f"no {text!r} in the log:\n" + "".join(self.lines)[-3000:]
+            time.sleep(0.1)
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
@@ -61,7 +77,8 @@ class Cluster:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        return self.proc.stdout.read().decode(errors="replace")
+        self.reader.join(30)
+        return "".join(self.lines)
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +255,8 @@ def test_sigterm_drains_the_cluster(rr_cluster):
     """Last on this cluster: the stream in flight finishes, new requests get 503, then the
     gateway and both replicas exit."""
     pids = [r["pid"] for r in rr_cluster.health()["replicas"]]
-    chunks = sigterm_mid_stream(rr_cluster, 400)
-    assert chunks == 400
+    chunks = sigterm_mid_stream(rr_cluster, 1200)
+    assert chunks == 1200
     assert rr_cluster.proc.wait(60) in (0, -signal.SIGTERM)
     log = rr_cluster.close()
     assert "stopping 2 replica(s)" in log

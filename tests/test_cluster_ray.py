@@ -6,6 +6,7 @@ the other serves on and Ray Serve brings it back, SIGTERM drains."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import httpx
@@ -23,6 +24,8 @@ def ray_cluster(tiny_models):
     c = Cluster(tiny_models["llama"], "--configuration", "dedicated-1:2", "--ray", "local",
                 replicas=3, devices="cpu:0,cpu:1,cpu:1" if (os.cpu_count() or 1) >= 2 else "cpu:0",
                 start_timeout=240.0)
+    # the gateway answers while the driver still waits for every deployment to be healthy
+    c.wait_for_log(f"orthrus ready: http://127.0.0.1:{c.port}")
     yield c
     c.close()
 
@@ -67,7 +70,18 @@ def test_ray_replica_killed_mid_stream_fails_its_request_and_ray_brings_it_back(
 
 
 def test_ray_sigterm_drains(ray_cluster):
-    chunks = sigterm_mid_stream(ray_cluster, 300)
-    assert chunks == 300
+    chunks = sigterm_mid_stream(ray_cluster, 2400)
+    assert chunks == 2400
     assert ray_cluster.proc.wait(120) == 0
     assert "stopped" in ray_cluster.close()
+
+
+def test_ray_sigterm_while_the_application_starts_drains_instead_of_killing(tiny_models):
+    """A SIGTERM the moment the gateway answers (the driver still waits in ``serve.run``) is
+    caught, not left to Ray's handler that ends the driver and so every replica unasked."""
+    c = Cluster(tiny_models["llama"], "--configuration", "orthrus", "--ray", "local",
+                replicas=1, devices="cpu:0", start_timeout=240.0)
+    c.proc.send_signal(signal.SIGTERM)
+    assert c.proc.wait(120) == 0
+    log = c.close()
+    assert "SIGTERM received" not in log and "draining" in log and "stopped" in log

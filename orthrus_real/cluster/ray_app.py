@@ -216,6 +216,11 @@ def prepare_ray(address: str, scenario, configuration: str, args, opts: ServeOpt
         cpus = max(os.cpu_count() or 1, sum(ray_resources(r.spec)["num_cpus"] for r in replicas))
         ray.init(address=None if local else address, num_cpus=cpus if local else None,
                  include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+        # right after ray.init (whose core worker installs a handler that ends the process): a
+        # SIGTERM while the application still starts must drain it, not kill the driver
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
         serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
         log.info("cluster: %s on %d Ray Serve replica(s), router %s", configuration,
                  len(replicas), scenario.cluster.router)
@@ -224,9 +229,6 @@ def prepare_ray(address: str, scenario, configuration: str, args, opts: ServeOpt
             log.info("replica %d: role %s, device %s, policy %s (a Ray Serve deployment)",
                      r.index, r.role, r.spec.device, r.spec.plan.policy)
         log.info("orthrus ready: http://%s:%d", host, port)
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         log.info("draining: new requests get 503")
         left = gateway.drain.remote().result(timeout_s=400)
