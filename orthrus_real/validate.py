@@ -117,10 +117,11 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
 
 def serve_and_bench(cmd: list[str], port: int, sc: Scenario, label: str, log: Path,
                     start_timeout: float = 120.0, env: dict | None = None,
-                    repeat: int = 1) -> list[dict]:
+                    repeat: int = 1, iterations: Path | None = None) -> list[dict]:
     """Start the server ``cmd`` (listening on ``port``; ``env``: its environment), bench it
     ``repeat`` times with the scenario's workload once it is healthy, stop it (SIGTERM);
-    returns the measured runs, labelled ``label``."""
+    returns the measured runs, labelled ``label``. With ``iterations``, the server's iteration
+    record (``GET /iterations``, where it has one) is written there as JSON lines."""
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
@@ -130,6 +131,8 @@ def serve_and_bench(cmd: list[str], port: int, sc: Scenario, label: str, log: Pa
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; see {log}") from None
             runs = [asyncio.run(bench(url, sc, label=label))[0]["runs"][0] for _ in range(repeat)]
+            if iterations is not None:
+                save_iterations(url, iterations)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -137,6 +140,27 @@ def serve_and_bench(cmd: list[str], port: int, sc: Scenario, label: str, log: Pa
             except subprocess.TimeoutExpired:
                 proc.kill()
     return runs
+
+
+def save_iterations(url: str, path: Path) -> int:
+    """Page through a server's ``GET /iterations`` into ``path`` (JSON lines); returns the rows
+    written (0, and no file, for a server without the endpoint: stock vLLM)."""
+    import httpx
+
+    rows, since = [], 0
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while True:
+            r = client.get("/iterations", params={"since": since})
+            if r.status_code == 404:
+                return 0
+            r.raise_for_status()
+            page = r.json()
+            if not page["data"]:
+                break
+            rows += page["data"]
+            since = page["next"]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return len(rows)
 
 
 def lookup(metrics: dict, path: str):

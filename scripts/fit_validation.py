@@ -21,7 +21,9 @@ and 0: apart), the same arrangement for every run.
 Run: python scripts/fit_validation.py [--backend torch|vllm] [--duration 60] [--warmup 10]
      [--mixes 9:1,5:5,1:9] [--clients 16] [--repeat N] [--model DIR] [--write-docs]
      [--note TEXT] [--tables-only]
-Results: OUT/<mix>/<server>/results.json (every bench), OUT/<mix>/fitted.json (the fit),
+Results: OUT/<mix>/<server>/results.json (every bench), OUT/<mix>/<server>/iterations.jsonl
+(the server's every iteration, where it records them: scripts/iteration_residuals.py sets them
+beside the fitted cost model), OUT/<mix>/fitted.json (the fit),
 OUT/summary-BACKEND.json and OUT/table-BACKEND.md.
 """
 
@@ -122,7 +124,7 @@ def measure(args, role: str, raw: dict, label: str, out: Path, configuration: st
     port = _free_port()
     cmd, env = serve_command(args, port, role, scenario_file, configuration)
     runs = serve_and_bench(cmd, port, sc, label, out / "server.log", start_timeout=300.0, env=env,
-                           repeat=args.repeat)
+                           repeat=args.repeat, iterations=out / "iterations.jsonl")
     doc = results_doc(scenario_dump(sc), runs)
     if len(runs) > 1:
         doc["repeats"] = spread(runs)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -345,3 +346,35 @@ def test_api_key(tiny_models):
     r = httpx.post(url + "/v1/embeddings", json={"input": "x"},
                    headers={"Authorization": "Bearer s3cret"}, timeout=30)
     assert r.status_code == 200
+
+
+def test_iterations_endpoint_pages_the_engine_record_and_the_cost_model_reads_it(server, tmp_path):
+    """``GET /iterations`` gives each step's time and shape, oldest first, page by page;
+    ``save_iterations`` writes them all; the residual script predicts the same batches."""
+    url, runner = server
+    first = runner.engine.iterations
+    r = httpx.post(url + "/v1/completions", json={"prompt": [4, 9, 10], "max_tokens": 6,
+                                                  "temperature": 0, "ignore_eos": True}, timeout=30)
+    assert r.status_code == 200
+    page = httpx.get(url + "/iterations", params={"since": first, "limit": 2}).json()
+    assert [row["iteration"] for row in page["data"]] == [first + 1, first + 2]
+    assert page["next"] == first + 2 and page["data"][0]["seconds"] > 0
+    assert page["data"][0]["shape"]["chunk_tokens"] == 3  # the prompt, then decodes
+    assert page["data"][1]["shape"]["decodes"] == 1 and page["data"][1]["decodes"] == 1
+    rest = httpx.get(url + "/iterations", params={"since": page["next"]}).json()
+    assert rest["data"][0]["iteration"] == first + 3 and rest["next"] >= first + 6
+    bad = httpx.get(url + "/iterations", params={"limit": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+    from orthrus_real.validate import save_iterations
+    from scripts.iteration_residuals import load_rows, residuals
+
+    CALIBRATION = Path(__file__).resolve().parents[1] / "calibration" / "cpu-2core-small.json"
+
+    log = tmp_path / "server" / "iterations.jsonl"
+    log.parent.mkdir()
+    assert save_iterations(url, log) == runner.engine.iterations
+    rows = load_rows([log])
+    out = {r["batch"]: r for r in residuals(rows, str(CALIBRATION), str(runner.engine.model_dir), None)}
+    assert out["all"]["iterations"] == len(rows) and out["decode"]["iterations"] >= 5
+    assert out["prefill"]["measured_s"] > 0 and out["decode"]["predicted_s"] > 0

@@ -35,6 +35,23 @@ async def engine_info(ctx: ServerContext = Depends(context)):
             "block_size": cfg.block_size, "serves": list(ctx.serves_kinds)}
 
 
+@router.get("/iterations")
+async def iterations(since: int = 0, limit: int = 10_000, ctx: ServerContext = Depends(context)):
+    """The engine's most recent iterations after iteration ``since`` (at most ``limit``, the
+    oldest first): when each started, how long it took, what it carried and the cost model's
+    ``shape`` of it, so what a deployment ran can be set beside what the cost model predicts
+    (``scripts/iteration_residuals.py``). ``next`` is the ``since`` of the following call."""
+    from dataclasses import asdict
+
+    if since < 0 or not 1 <= limit <= 100_000:
+        raise ApiError(400, "since must be >= 0 and limit 1-100000, got "
+                            f"since={since}, limit={limit}", param="since" if since < 0 else "limit")
+    kept = list(ctx.engine.stats)  # one C-level copy under the GIL: the engine thread appends
+    rows = [s for s in kept if s.iteration > since][:limit]
+    return {"object": "list", "next": rows[-1].iteration if rows else since,
+            "data": [{k: v for k, v in asdict(s).items() if k != "admitted"} for s in rows]}
+
+
 @router.get("/version")
 async def version():
     from orthrus_sim import __version__
