@@ -46,7 +46,8 @@ from rich.table import Table
 from orthrus_real.bench import mean_metrics, spread
 from orthrus_real.device import parse_cpus, pin_process
 from orthrus_real.validate import _free_port, compare, mape_summary, serve_and_bench
-from orthrus_sim.costmodel import save_calibration
+from orthrus_sim.costmodel import calibrated_predictor, save_calibration
+from orthrus_sim.costmodel.iteration_check import iteration_residuals, load_iterations
 from orthrus_sim.experiment.measured import load_measured, only_kind
 from orthrus_sim.experiment.results import results_doc, write_json
 from orthrus_sim.experiment.scenario import parse_scenario, read_scenario, scenario_dump
@@ -168,6 +169,7 @@ def one_mix(args, mix: str, share: float, console: Console) -> dict:
         measured.append(measure(args, "unified", served, cfg, base / cfg.replace(":", "_"), cfg))
         spreads[cfg] = measured[-1].pop("spread")
     return {"mix": mix, "spread": spreads, "target_s": target,
+            "iterations": server_iterations(base, fitted, args.model, raw),
             "fit": {k: {kk: vv for kk, vv in v.items() if kk != "bounds"}
                     for k, v in result.parameters.items()},
             "fit_residuals": result.residuals, "predicted": compare(predicted, measured),
@@ -175,6 +177,15 @@ def one_mix(args, mix: str, share: float, console: Console) -> dict:
             "completed": {x["configuration"]: completions(x["metrics"]) for x in measured},
             "completed_predicted": {x["configuration"]: completions(x["metrics"])
                                     for x in predicted}}
+
+
+def server_iterations(base: Path, calibration: Path, model: Path, raw: dict) -> list[dict]:
+    """Each server's recorded iterations against the fitted cost model for the same batches
+    (where the server records them: not stock vLLM): is a miss the schedule's or the cost's?"""
+    rank = (raw.get("embedding") or {}).get("lora_rank")
+    cost = calibrated_predictor(str(calibration), str(model), rank).cost
+    rows = [row for log in sorted(base.glob("*/iterations.jsonl")) for row in load_iterations(log)]
+    return iteration_residuals(rows, cost) if rows else []
 
 
 def treatment_target(factor: float, generation_baseline: dict) -> float | None:
@@ -273,12 +284,39 @@ def table_lines(results: list[dict], args, wall: float) -> list[str]:
             for server, sp in r["spread"].items():
                 lines.append(f"* {r['mix']} {server}: " + ", ".join(
                     f"{k} {v['cv']:.1%}" for k, v in sp.items() if v["cv"] is not None))
+    lines += iteration_lines(results)
     lines += ["", "Fitted factors per mix (status: fitted, or undetermined: left at the prior):", "",
               "| mix | " + " | ".join(results[0]["fit"]) + " |", "|" + "---|" * (len(results[0]["fit"]) + 1)]
     for r in results:
         lines.append(f"| {r['mix']} | " + " | ".join(
             f"{v['value']:.3g} ({v['status']})" for v in r["fit"].values()) + " |")
     lines += ["", END]
+    return lines
+
+
+ITERATION_KINDS = ("decode", "prefill+decode", "embedding", "embedding+decode",
+                   "embedding+prefill+decode")
+
+
+def iteration_lines(results: list[dict]) -> list[str]:
+    """The cost of the same batches: predicted / measured time summed over each server's
+    iterations of each kind (count in brackets), from its own record."""
+    if not any(r.get("iterations") for r in results):
+        return []
+    lines = ["", "The same batches, predicted by the fitted cost model against their measured time "
+             "(sum over the server's iterations of that kind, warm-up included; count in "
+             "brackets; `scripts/iteration_residuals.py`): a throughput miss with these near 1 is "
+             "the schedule's, not the cost model's.", "",
+             "| mix | server | all | " + " | ".join(ITERATION_KINDS) + " |",
+             "|" + "---|" * (3 + len(ITERATION_KINDS))]
+    for r in results:
+        by_log: dict[str, dict[str, dict]] = {}
+        for x in r.get("iterations", []):
+            by_log.setdefault(x["log"], {})[x["batch"]] = x
+        for log, kinds in by_log.items():
+            cells = [f"{kinds[k]['ratio']:.2f} ({kinds[k]['iterations']})" if k in kinds else "-"
+                     for k in ("all", *ITERATION_KINDS)]
+            lines.append(f"| {r['mix']} | {log} | " + " | ".join(cells) + " |")
     return lines
 
 

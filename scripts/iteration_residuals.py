@@ -1,11 +1,11 @@
-"""What a server's iterations took against what the cost model predicts for the same batches.
+"""What a server's iterations took against what the cost model predicts for the same batches
+(``orthrus_sim/costmodel/iteration_check.py``): separates a simulator miss that comes from the
+schedule from one that comes from the cost of the batches.
 
-A throughput miss of the simulator can come from the schedule (the simulated policy chose
-other batches than the engine did) or from the cost of the batches (the same batch, another
-time). This script separates the two: it takes the iterations a server recorded (``GET
-/iterations``, saved by ``scripts/fit_validation.py`` as ``iterations.jsonl``), predicts each
-one's time from its shape with a calibration (the fitted factors applied, as the simulator
-does), and reports measured against predicted per kind of batch.
+The iterations are a server's ``GET /iterations`` record, saved by ``scripts/fit_validation.py``
+as ``iterations.jsonl`` beside each server's results (or by ``save_iterations`` in
+``orthrus_real/validate.py``); each is predicted from its shape with the calibration's cost
+model, its fitted factors applied as the simulator applies them.
 
 Run: python scripts/iteration_residuals.py LOG.jsonl [LOG.jsonl ...] --calibration CAL
      --model DIR [--adapter-rank R] [--json OUT]
@@ -15,64 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from orthrus_sim.costmodel import BatchShape, calibrated_predictor
-
-
-def batch_kind(shape: BatchShape) -> str:
-    """What the batch carried: embedding chunks, prompt chunks, decodes, or a mix of them."""
-    parts = []
-    if shape.pooled_rows:
-        parts.append("embedding")
-    if shape.chunk_tokens > shape.pooled_rows:
-        parts.append("prefill")
-    if shape.decodes:
-        parts.append("decode")
-    return "+".join(parts) or "empty"
-
-
-def load_rows(paths: list[Path]) -> list[dict]:
-    rows = []
-    for path in paths:
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            try:
-                row = json.loads(line)
-                row["shape"] = BatchShape(**row["shape"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise SystemExit(f"{path}, line {i}: not an iteration row ({exc})") from None
-            row["log"] = path.parent.name
-            rows.append(row)
-    return rows
-
-
-def residuals(rows: list[dict], calibration: str, model: str, adapter_rank: int | None) -> list[dict]:
-    """Per (log, batch kind): iterations, measured and predicted seconds (sums and means), the
-    ratio of the sums, and the median per-iteration ratio."""
-    cost = calibrated_predictor(calibration, model, adapter_rank).cost
-    groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for row in rows:
-        key = (row["log"], batch_kind(row["shape"]))
-        groups.setdefault(key, []).append((row["seconds"], cost.shape_time(row["shape"])))
-    for row in rows:  # every log's total
-        groups.setdefault((row["log"], "all"), []).append(
-            (row["seconds"], cost.shape_time(row["shape"])))
-    out = []
-    for (log, kind), pairs in sorted(groups.items()):
-        measured = sum(m for m, _ in pairs)
-        predicted = sum(p for _, p in pairs)
-        out.append({"log": log, "batch": kind, "iterations": len(pairs),
-                    "measured_s": measured, "predicted_s": predicted,
-                    "measured_mean_s": measured / len(pairs),
-                    "predicted_mean_s": predicted / len(pairs),
-                    "ratio": predicted / measured if measured else None,
-                    "median_ratio": statistics.median(p / m for m, p in pairs if m > 0)})
-    return out
+from orthrus_sim.costmodel import calibrated_predictor
+from orthrus_sim.costmodel.iteration_check import iteration_residuals, load_iterations
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +34,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the embedding adapter's rank (rows with lora_rows pay it)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    out = residuals(load_rows(args.logs), args.calibration, args.model, args.adapter_rank)
+    try:
+        rows = [row for log in args.logs for row in load_iterations(log)]
+        cost = calibrated_predictor(args.calibration, args.model, args.adapter_rank).cost
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    out = iteration_residuals(rows, cost)
     table = Table(title="iterations: measured against the cost model (same batches)")
     for col in ("server", "batch", "iterations", "measured ms", "predicted ms", "pred/meas",
                 "median ratio"):
@@ -93,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(r["log"], r["batch"], str(r["iterations"]), f"{r['measured_mean_s'] * 1e3:.1f}",
                       f"{r['predicted_mean_s'] * 1e3:.1f}", f"{r['ratio']:.3f}",
                       f"{r['median_ratio']:.3f}")
-    Console().print(table)
+    Console(width=120).print(table)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -367,14 +367,21 @@ def test_iterations_endpoint_pages_the_engine_record_and_the_cost_model_reads_it
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
 
     from orthrus_real.validate import save_iterations
-    from scripts.iteration_residuals import load_rows, residuals
+    from orthrus_sim.costmodel import calibrated_predictor
+    from orthrus_sim.costmodel.iteration_check import iteration_residuals, load_iterations
 
-    CALIBRATION = Path(__file__).resolve().parents[1] / "calibration" / "cpu-2core-small.json"
-
-    log = tmp_path / "server" / "iterations.jsonl"
-    log.parent.mkdir()
+    log = tmp_path / "iterations.jsonl"
     assert save_iterations(url, log) == runner.engine.iterations
-    rows = load_rows([log])
-    out = {r["batch"]: r for r in residuals(rows, str(CALIBRATION), str(runner.engine.model_dir), None)}
+    rows = load_iterations(log, "server")
+    calibration = Path(__file__).resolve().parents[1] / "calibration" / "cpu-2core-small.json"
+    cost = calibrated_predictor(str(calibration), str(runner.engine.model_dir)).cost
+    out = {r["batch"]: r for r in iteration_residuals(rows, cost)}
     assert out["all"]["iterations"] == len(rows) and out["decode"]["iterations"] >= 5
-    assert out["prefill"]["measured_s"] > 0 and out["decode"]["predicted_s"] > 0
+    assert out["prefill"]["measured_s"] > 0
+    # the prediction is the cost model's for the recorded shape, row by row
+    decode_rows = [r for r in rows if r["shape"].decodes == r["shape"].tokens]
+    assert out["decode"]["predicted_s"] == pytest.approx(
+        sum(cost.shape_time(r["shape"]) for r in decode_rows))
+    log.write_text('{"seconds": 1}\n')
+    with pytest.raises(ValueError, match="line 1: not an iteration row"):
+        load_iterations(log)
