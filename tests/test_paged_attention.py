@@ -242,8 +242,9 @@ def test_cpu_fp32_shortcuts_equal_the_plain_ops():
         kv = torch.randn(5, 37, 2, kvh, 16, generator=gen)
         bias = torch.zeros(5, 1, 1, 37)
         bias[1, ..., 30:] = float("-inf")
-        torch.testing.assert_close(_decodes_fp32_cpu(qd, kv, bias, 0.25),
-                                   _decodes(qd, kv, bias, 0.25), atol=1e-5, rtol=1e-5)
+        keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # strided
+        torch.testing.assert_close(_decodes_fp32_cpu(qd, keys, values, bias, 0.25),
+                                   _decodes(qd, keys, values, bias, 0.25), atol=1e-5, rtol=1e-5)
     w = torch.randn(2 * SPLIT_COLS + 100, 24, generator=gen)
     b = torch.randn(w.shape[0], generator=gen)
     for rows in (1, NARROW_ROWS, NARROW_ROWS + 1):
@@ -266,3 +267,130 @@ def test_the_cpu_engine_keeps_large_buffers_in_the_heap(tiny_models, monkeypatch
     monkeypatch.setenv("ORTHRUS_CPU_HEAP", "0")
     assert dev.keep_large_cpu_buffers() == "glibc defaults (ORTHRUS_CPU_HEAP=0)"
     assert dev.keep_large_cpu_buffers() == "glibc defaults (ORTHRUS_CPU_HEAP=0)"  # once
+
+
+# ----- decode contexts kept between steps (the gathering path on a CPU) -----------------------
+def test_kept_contexts_append_only_for_the_same_decodes_one_token_further():
+    from orthrus_real.attention import KeptContexts
+
+    kept = KeptContexts(2, limit_tokens=64)
+    assert kept.plan(("a", "b"), [5, 9], 4) == (False, 20)  # longest 9 -> 3 blocks + 2
+    kept.commit()
+    assert kept.plan(("a", "b"), [6, 10], 4) == (True, 20)
+    kept.commit()
+    assert kept.plan(("b", "a"), [11, 7], 4) == (False, 20)  # another order: gathered again
+    assert kept.plan(("a", "b"), [7, 12], 4)[0] is False  # b two tokens further
+    assert kept.plan(("a", "b", "c"), [7, 11, 3], 4)[0] is False  # a new decode
+    assert kept.plan(("a", "b"), [7, 21], 4) == (False, 32)  # past the width: wider
+    assert kept.plan(("a", "b", "c", "d"), [7, 30, 1, 1], 4) == (False, 0)  # 4 x 40 > 64
+    kept.commit()  # nothing kept: the buffers are dropped, the next step gathers
+    assert kept.width == 0 and kept.buffers == [None, None]
+    assert kept.plan(("a", "b", "c", "d"), [8, 31, 2, 2], 4)[0] is False
+    kept.plan(("a", "b"), [8, 12], 4)
+    kept.reset()  # a pass that raised: nothing it planned is current
+    assert (kept.ids, kept.width, kept.appended, kept.gathered) == ((), 0, 1, 1)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_kept_contexts_attend_as_a_fresh_gather_step_after_step(block_size):
+    """Decodes one token further each step, one leaving at step 3, a chunk beside them at step
+    4: the kept contexts' output equals a fresh gather's, and only the expected steps append."""
+    from orthrus_real.attention import KeptContexts
+
+    gen = torch.Generator().manual_seed(block_size)
+    heads, kv_heads, dim, steps = 4, 2, 8, 6
+    contexts = [3, 17, 9, 30]
+    pool = list(range(200))
+    random.Random(block_size).shuffle(pool)
+    tables = {f"d{i}": [pool.pop() for _ in range(-(-(c + steps + 1) // block_size))]
+              for i, c in enumerate(contexts)}
+    tables["c"] = [pool.pop() for _ in range(-(-40 // block_size))]
+    cache = torch.randn(200 * block_size, 2, kv_heads, dim, generator=gen)
+    ref_cache, kept = cache.clone(), KeptContexts(1, limit_tokens=10**6)
+    appends = []
+    for step in range(steps):
+        live = [i for i in range(4) if not (step >= 3 and i == 1)]
+        items = []
+        if step == 4:  # a prompt chunk with context beside the decodes
+            req = Request("c", RequestKind.GENERATION, 0.0, 30, max_output_tokens=4)
+            items.append(BatchItem(req, ItemKind.PREFILL_CHUNK, 10, 12))
+        for i in live:
+            req = Request(f"d{i}", RequestKind.GENERATION, 0.0, contexts[i], max_output_tokens=99)
+            items.append(BatchItem(req, ItemKind.DECODE, contexts[i] + step, 1))
+        batch = BatchUnit(4096, items=items, total_tokens=sum(it.num_tokens for it in items))
+        t = batch.total_tokens
+        q = torch.randn(t, heads, dim, generator=gen)
+        k = torch.randn(t, kv_heads, dim, generator=gen)
+        v = torch.randn(t, kv_heads, dim, generator=gen)
+        ref = paged_attention(q, k, v, ref_cache, build_metadata(batch, tables, block_size, CPU), 0.3)
+        meta = build_metadata(batch, tables, block_size, CPU, kept=kept)
+        got = paged_attention(q, k, v, cache, meta, 0.3, layer=0)
+        kept.commit()
+        appends.append(meta.decode_append)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache, ref_cache, atol=0, rtol=0)
+    # gathered at 0, appended at 1-2, gathered at 3 (one left), appended at 4-5 (a chunk
+    # beside the same decodes does not matter)
+    assert appends == [False, True, True, False, True, True]
+
+
+@pytest.mark.parametrize("policy", MIXED_POLICIES)
+def test_kept_decode_contexts_are_token_identical_under_every_mixed_policy(tiny_models, policy):
+    path = tiny_models["llama"]
+    specs = streams(9)
+    embeds = [(f"e{i}", prompt_ids(9 + 11 * i, seed=60 + i)) for i in range(3)]
+    runs, engines = [], []
+    for keep in (False, True):
+        eng = engine(path, "gather", False, adapter_dir=path / "adapter", policy=policy,
+                     keep_decode_contexts=keep, kv_cache_tokens=512,
+                     scheduler=SchedulerConfig(token_budget=24, chunk_size=8, block_size=4))
+        runs.append(drive(eng, specs[:7], specs[7:], embeds))
+        engines.append(eng)
+    assert engines[0].kept is None and engines[0].describe()["decode_contexts"] == "gathered every step"
+    kept = engines[1].kept
+    assert kept.appended > 10 and kept.gathered >= 2, (kept.appended, kept.gathered)
+    assert engines[1].describe()["decode_contexts"] == "kept between steps"
+    assert_same(runs, policy)
+
+
+def fails_once(num_layers: int, at_pass: int = 10):
+    """``paged_attention`` raising once, in the last layer of the ``at_pass``-th pass that has
+    appended to kept contexts in every layer before it."""
+    seen = [0]
+
+    def attend(q, k, v, cache, meta, scale, layer=0):
+        if meta.decode_append and layer == num_layers - 1:
+            seen[0] += 1
+            if seen[0] == at_pass:
+                raise RuntimeError("a pass that fails once, after appending in its other layers")
+        return paged_attention(q, k, v, cache, meta, scale, layer)
+
+    attend.seen = seen
+    return attend
+
+
+def test_kept_decode_contexts_through_preemption_abort_and_a_failed_pass(tiny_models, monkeypatch):
+    """The failed pass is retried in halves by the engine's isolation; the kept contexts it
+    half-appended are dropped, so every token is still the plain gather's."""
+    from orthrus_real import model as model_module
+
+    path = tiny_models["mistral"]
+    specs = streams(6, seed=80)
+    embeds = [(f"e{i}", prompt_ids(6 + 13 * i, seed=90 + i)) for i in range(3)]
+    runs, engines = [], []
+    for keep in (False, True):
+        eng = engine(path, "gather", False, policy="ibs", kv_cache_tokens=80,
+                     keep_decode_contexts=keep,
+                     scheduler=SchedulerConfig(token_budget=16, chunk_size=8, block_size=4))
+        if keep:
+            eng.kept.limit_tokens = 10**6  # kept although wider than this tiny cache
+            failing = fails_once(eng.cfg.num_layers)
+            monkeypatch.setattr(model_module, "paged_attention", failing)
+        runs.append(drive(eng, specs[:5], specs[5:], embeds, abort_at=("g1", 6)))
+        engines.append(eng)
+    assert engines[1].policy.preemptions["generation"] > 0 and engines[1].kept.appended > 10
+    assert failing.seen[0] > 10  # it did fail once, and appended again after
+    assert "g1" not in runs[0][0] and len(runs[0][1]) == 3
+    assert_same(runs, "preemption")
+    with pytest.raises(ValueError, match="needs --attention gather"):
+        Engine(path, device="cpu", attention="paged", keep_decode_contexts=True)
