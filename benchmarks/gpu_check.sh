@@ -6,7 +6,8 @@
 #   2. the engine tests on the GPU (tests/test_real_engine.py, test_sampling.py and
 #      test_paged_attention.py, on DEVICE, fp32, with GPU tolerances);
 #   3. one decode step of 64 streams at context 128 under each path (benchmarks/decode_step.py):
-#      gather attention, paged (the cache read in place), paged + the static step, paged +
+#      gather attention (contexts gathered every step, and kept between steps), paged (the cache
+#      read in place), paged + the static step, paged +
 #      CUDA graphs: step time, kernel launches and GPU kernel time per step (torch.profiler);
 #   4. the engine against transformers on the same GPU (benchmarks/engine_peers.py, `1b`, bf16),
 #      with today's path and with paged attention + CUDA graphs;
@@ -103,8 +104,8 @@ step tests 200 env ORTHRUS_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cachep
 MODEL="$OUTDIR/model-$SIZE"
 [ -d "$MODEL" ] || "$PY" -m orthrus_real.cli init-model "$MODEL" --size "$SIZE" --dtype "$DTYPE" \
   --seed 0 > /dev/null
-if [ "$DEVICE" = "cpu" ]; then VARIANTS=gather,paged,paged+static; else
-  VARIANTS=gather,paged,paged+static,paged+graphs; fi
+if [ "$DEVICE" = "cpu" ]; then VARIANTS=gather,gather+kept,paged,paged+static; else
+  VARIANTS=gather,gather+kept,paged,paged+static,paged+graphs; fi
 step decode 100 "$PY" benchmarks/decode_step.py --model "$MODEL" --device "$DEVICE" \
   --streams "$STREAMS" --steps "$STEPS" --variants "$VARIANTS"
 step peers 100 "$PY" benchmarks/engine_peers.py --model "$MODEL" --device "$DEVICE" \

@@ -44,11 +44,11 @@ class ChunkPlan:
 class KeptContexts:
     """Per layer, the decodes' contexts as the last forward pass gathered them, ``width``
     tokens each (the longest plus headroom, padding masked), keys and values each contiguous
-    (B, KVH, width, D). A step whose decodes are the same
-    requests in the same order, each one token further, appends its new keys and values in
-    place; any other step gathers afresh, as wide as needed. The state a step plans becomes
-    current only once its forward pass succeeded (``commit``); a pass that raised may have
-    appended in some layers only, so ``reset`` drops everything."""
+    (B, KVH, width, D). A step whose decodes are the same requests in the same order, each one
+    token further, appends its new keys and values in place; any other step gathers afresh, as
+    wide as needed. The state a step plans becomes current only once its forward pass
+    succeeded (``commit``); a pass that raised may have appended in some layers only, so
+    ``reset`` drops everything."""
 
     def __init__(self, num_layers: int, limit_tokens: int, headroom_blocks: int = 2) -> None:
         self.buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
