@@ -139,6 +139,8 @@ class Engine(EngineBase):
         self.policy.complete(batch, self.now(), stopped)  # a failed request is skipped: aborted
         outputs = self._outputs(batch, sampled) + failed
         self._record(batch, start)
+        if self.kept is not None and not self.has_work:
+            self.kept.reset()  # idle: the kept contexts (a cache's worth at most) go back
         return outputs
 
     def _run_isolated(self, items: list[BatchItem]):

@@ -350,6 +350,7 @@ def test_kept_decode_contexts_are_token_identical_under_every_mixed_policy(tiny_
     kept = engines[1].kept
     assert kept.appended > 10 and kept.gathered >= 2, (kept.appended, kept.gathered)
     assert engines[1].describe()["decode_contexts"] == "kept between steps"
+    assert kept.buffers == [None] * len(kept.buffers) and kept.width == 0  # idle: released
     assert_same(runs, policy)
 
 
