@@ -145,7 +145,8 @@ def main() -> None:
             "ours emb": ours_embed, "hf emb": hf_embed}
     t = alternated(runs, args.repeats)
     ours_gen, ours_emb = N * OUTPUT / t["ours gen"], N / t["ours emb"]
-    rows = [("orthrus engine" + (f" ({engine.describe()['decode_contexts']})" if gathered else ""),
+    kept = engine.describe().get("decode_contexts", f"{args.attention} attention")
+    rows = [("orthrus engine" + (f" ({kept})" if gathered else ""),
              "generation", f"{ours_gen:.0f} tok/s", f"{t['ours gen']:.1f}")]
     if gathered:
         rows.append(("orthrus engine (decode contexts gathered every step)", "generation",
