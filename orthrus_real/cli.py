@@ -296,16 +296,22 @@ def calibrate(
                                                   "the grid (0: grid only)"),
     token_budget: int = typer.Option(None, help=f"tokens per iteration {KNOB_HELP}"),
     set_: list[str] = typer.Option([], "--set", help="scheduler.FIELD=VALUE"),
-    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
+    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default, or one per --cpus)"),
+    cpus: str = typer.Option(None, "--cpus", help="profile on these CPUs only (0,1 or 0-3): the "
+                             "arrangement the engine will serve under (serve --cpus)"),
     backend: str = typer.Option("torch", help=BACKEND_HELP),
 ) -> None:
     """Profile the engine over batch compositions, fit the cost model, write a calibration."""
     from rich.progress import Progress
 
     from orthrus_real import calibrate as cal
+    from orthrus_real.device import parse_cpus, pin_process
     from orthrus_real.model_files import adapter_rank
 
     try:
+        pinned = parse_cpus(cpus)
+        pin_process(pinned)
+        threads = threads or len(pinned or ())
         rank = adapter_rank(embedding_adapter) if embedding_adapter else None
         _, sched = scheduler_settings(None, None, set_, "ibs", token_budget)
         runner = cal.calibration_engine(str(model), str(embedding_adapter) if embedding_adapter else None,

@@ -90,9 +90,10 @@ def engine_environment(engine, backend: str) -> dict:
 
 
 def environment_check(calibration_path: str, model_dir: str | None = None,
-                      device: str | None = None) -> str | None:
-    """One line when the calibration was measured on another machine, or in another dtype
-    than a model in ``model_dir`` runs in here (``orthrus_sim.machine.environment_warning``)."""
+                      device: str | None = None, threads: int | None = None) -> str | None:
+    """One line when the calibration was measured on another machine, in another dtype than a
+    model in ``model_dir`` runs in here, or with other engine ``threads`` than the engine it
+    will predict (``orthrus_sim.machine.environment_warning``)."""
     from pathlib import Path
 
     from orthrus_real.model_files import read_config
@@ -106,7 +107,8 @@ def environment_check(calibration_path: str, model_dir: str | None = None,
     if model_dir is not None:
         chosen, _ = choose_dtype(dev, None, read_config(model_dir).dtype)
         dtype = str(chosen).removeprefix("torch.")
-    return environment_warning(cal.environment, this_machine(gpu), dtype, Path(calibration_path).name)
+    return environment_warning(cal.environment, this_machine(gpu), dtype,
+                               Path(calibration_path).name, threads)
 
 
 def parse_cpus(text: str | None, option: str = "--cpus") -> set[int] | None:

@@ -219,7 +219,7 @@ def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter
     base = load_scenario(scenario, overrides)
     rank = adapter_rank(adapter_dir) if adapter_dir else None
     sc = real_scenario(base, model_dir, rank, calibration, kv_cache_tokens, gpus=base.cluster.gpus)
-    warning = environment_check(calibration, model_dir)
+    warning = environment_check(calibration, model_dir, threads=threads or None)
     if warning and progress:
         progress(f"warning: {warning}")
     out.mkdir(parents=True, exist_ok=True)

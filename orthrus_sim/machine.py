@@ -45,9 +45,12 @@ def this_machine(gpu: str | None = None) -> dict:
             "gpu": gpu}
 
 
-def environment_warning(recorded, current: dict, dtype: str | None, name: str) -> str | None:
-    """One line when ``current`` (``this_machine``) or ``dtype`` differs from a calibration's
-    recorded environment (``EnvironmentModel`` or a dict; None: nothing recorded, no warning)."""
+def environment_warning(recorded, current: dict, dtype: str | None, name: str,
+                        threads: int | None = None) -> str | None:
+    """One line when ``current`` (``this_machine``), ``dtype`` or the engine's ``threads``
+    differ from a calibration's recorded environment (``EnvironmentModel`` or a dict; None:
+    nothing recorded, no warning). The threads matter as much as the machine: a profile on two
+    cores prices a one-core engine's batches by another shape, not just a scale."""
     if recorded is None:
         return None
     rec = recorded if isinstance(recorded, dict) else recorded.model_dump()
@@ -64,6 +67,8 @@ def environment_warning(recorded, current: dict, dtype: str | None, name: str) -
             diffs.append("CPU flags " + ", ".join([f"-{f}" for f in missing] + [f"+{f}" for f in extra]))
     if dtype and rec.get("dtype") and dtype != rec["dtype"]:
         diffs.append(f"dtype {rec['dtype']} there, {dtype} here")
+    if threads and rec.get("threads") and threads != rec["threads"]:
+        diffs.append(f"{rec['threads']} engine thread(s) there, {threads} here")
     if not diffs:
         return None
     return (f"calibration {name} was measured on another machine ({'; '.join(diffs)}): its "

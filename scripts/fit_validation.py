@@ -3,6 +3,9 @@ against measurement on this machine (docs/fidelity.md, "Fit on baselines, predic
 
 For each mix (embedding:generation closed-loop clients of `scenarios/fit_cpu.yaml`):
 
+0. the prior: a profile of the engine on the CPUs it will serve on (`orthrus-real calibrate
+   --cpus`, in the same run unless `--calibration` is given: a calibration belongs to one
+   machine, day and arrangement);
 1. measure the baselines a team runs today: a dedicated embedding-only server (the base model,
    atomic embeddings) and a dedicated generation server, each alone on the engine's CPUs, benched
    with its kind's pool (`bench --only KIND`, label dedicated-1:1);
@@ -10,7 +13,10 @@ For each mix (embedding:generation closed-loop clients of `scenarios/fit_cpu.yam
 3. predict the co-served configurations (Orthrus and the unified baselines, one device) with the
    fitted calibration, and with the prior calibration for contrast;
 4. measure those configurations on the same engine and compare: targets throughput within 10 %
-   and p50 latency within 20 %.
+   and p50 latency within 20 %. Without a target (`--target-factor 0`) the served policy
+   never consults a calibration, so the treatment is benched in the same rounds as the
+   baselines (before the fit: step 1 then benches all five servers); with one, after the fit,
+   served with the fitted calibration.
 
 Engines: `--backend torch` (the PyTorch engine: baselines and treatment alike) or `--backend vllm`
 (baselines on stock `vllm serve`, an engine this project did not write; the treatment on the
@@ -22,7 +28,8 @@ Run: python scripts/fit_validation.py [--backend torch|vllm] [--duration 60] [--
      [--mixes 9:1,5:5,1:9] [--clients 16] [--repeat N] [--model DIR] [--write-docs]
      [--note TEXT] [--tables-only]
 Results: OUT/<mix>/<server>/results.json (every bench), OUT/<mix>/<server>/iterations.jsonl
-(the server's every iteration, where it records them: scripts/iteration_residuals.py sets them
+(the server's every iteration, where it records them; round R of --repeat: iterations-R.jsonl;
+scripts/iteration_residuals.py sets them
 beside the fitted cost model), OUT/<mix>/fitted.json (the fit),
 OUT/summary-BACKEND.json and OUT/table-BACKEND.md.
 """
@@ -81,6 +88,30 @@ def mix_raw(model: Path, share: float, clients: int, duration: float, warmup: fl
     return raw
 
 
+def prior_calibration(args, console: Console) -> str:
+    """The prior the fit scales: ``--calibration``, or a profile of the engine made now on the
+    engine's CPUs (``orthrus-real calibrate --cpus``). A calibration belongs to one machine, one
+    day and one arrangement (docs/fidelity.md): one made on both cores prices a batch of the
+    engine pinned to one core by a shape the fit's few factors cannot mend (its LoRA and
+    attention costs scale otherwise with the threads than its GEMMs)."""
+    if args.calibration:
+        return str(Path(args.calibration).resolve())
+    out = args.out / "prior" / f"calibration-{args.backend}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if args.backend == "vllm" and args.engine_cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.engine_cpus
+    cmd = [sys.executable, "-m", "orthrus_real.cli", "calibrate", "--model", str(args.model),
+           "--embedding-adapter", str(args.model / "adapter"), "--out", str(out),
+           "--backend", args.backend]
+    if args.engine_cpus:
+        cmd += ["--cpus", args.engine_cpus]
+    console.print(f"profiling the engine on CPUs {args.engine_cpus or 'all'} for the prior "
+                  f"calibration ({out}; about 13 minutes on 2 cores)")
+    subprocess.run(cmd, check=True, env=env)
+    return str(out)
+
+
 def serve_command(args, port: int, role: str, scenario_file: Path | None = None,
                   configuration: str | None = None) -> tuple[list[str], dict]:
     """The server of a baseline (``embedding``/``generation``) or of the treatment (``unified``),
@@ -117,20 +148,38 @@ def serve_command(args, port: int, role: str, scenario_file: Path | None = None,
     return cmd, env
 
 
-def measure(args, role: str, raw: dict, label: str, out: Path, configuration: str | None = None) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    scenario_file = out / "scenario.yaml"
-    scenario_file.write_text(yaml.safe_dump(raw, sort_keys=False))
-    sc = parse_scenario(raw, str(scenario_file))
-    port = _free_port()
-    cmd, env = serve_command(args, port, role, scenario_file, configuration)
-    runs = serve_and_bench(cmd, port, sc, label, out / "server.log", start_timeout=300.0, env=env,
-                           repeat=args.repeat, iterations=out / "iterations.jsonl")
-    doc = results_doc(scenario_dump(sc), runs)
-    if len(runs) > 1:
-        doc["repeats"] = spread(runs)
-    write_json(doc, out / "results.json")
-    return {"configuration": label, "metrics": mean_metrics(runs), "spread": doc.get("repeats", {})}
+def measure(args, servers: list[tuple], console: Console, mix: str) -> list[dict]:
+    """Bench each of ``servers`` (role, scenario mapping, label, folder, configuration)
+    ``args.repeat`` times, in rounds: every server once, then every server again, so that a
+    slow minute of a shared machine falls on one run of one server, not on all of one server's
+    runs. Each run starts its server afresh; round R's iteration record and log are
+    ``iterations[-R].jsonl`` and ``server[-R].log``. Returns per server its label, mean metrics
+    and spread, with every run in its results.json."""
+    runs: dict[int, list[dict]] = {i: [] for i in range(len(servers))}
+    for r in range(args.repeat):
+        suffix = f"-{r + 1}" if r else ""
+        for i, (role, raw, label, out, configuration) in enumerate(servers):
+            out.mkdir(parents=True, exist_ok=True)
+            scenario_file = out / "scenario.yaml"
+            scenario_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+            sc = parse_scenario(raw, str(scenario_file))
+            round_text = f", round {r + 1} of {args.repeat}" if args.repeat > 1 else ""
+            what = label if role == "unified" else f"the dedicated {role} server"
+            console.print(f"mix {mix}: measuring {what} ({args.duration:.0f} s{round_text})")
+            port = _free_port()
+            cmd, env = serve_command(args, port, role, scenario_file, configuration)
+            runs[i] += serve_and_bench(cmd, port, sc, label, out / f"server{suffix}.log",
+                                       start_timeout=300.0, env=env,
+                                       iterations=out / f"iterations{suffix}.jsonl")
+    got = []
+    for i, (_, raw, label, out, _) in enumerate(servers):
+        doc = results_doc(scenario_dump(parse_scenario(raw, str(out / "scenario.yaml"))), runs[i])
+        if len(runs[i]) > 1:
+            doc["repeats"] = spread(runs[i])
+        write_json(doc, out / "results.json")
+        got.append({"configuration": label, "metrics": mean_metrics(runs[i]),
+                    "spread": doc.get("repeats", {})})
+    return got
 
 
 def one_mix(args, mix: str, share: float, console: Console) -> dict:
@@ -140,10 +189,27 @@ def one_mix(args, mix: str, share: float, console: Console) -> dict:
     raw = mix_raw(args.model, share, args.clients, args.duration, args.warmup, args.calibration)
     measured_files = []
     spreads = {}
-    for kind in ("embedding", "generation"):
-        console.print(f"mix {mix}: measuring the dedicated {kind} server ({args.duration:.0f} s)")
-        got = measure(args, kind, only_kind(raw, kind), "dedicated-1:1", base / f"dedicated-{kind}")
-        spreads[f"dedicated {kind}"] = got["spread"]
+    kinds = ("embedding", "generation")
+    baselines = [(kind, only_kind(raw, kind), "dedicated-1:1", base / f"dedicated-{kind}", None)
+                 for kind in kinds]
+    treatment = raw | {"configurations": list(args.configurations),
+                       "cluster": {**raw.get("cluster", {}), "gpus": 1}}
+
+    def treatment_servers(scenario: dict) -> list[tuple]:
+        return [("unified", scenario, cfg, base / cfg.replace(":", "_"), cfg)
+                for cfg in args.configurations]
+
+    measured = None
+    if args.target_factor:  # the target's predictor is the fitted calibration: after the fit
+        got = measure(args, baselines, console, mix)
+    else:
+        # without a target the served policy never consults a calibration (its predictor
+        # serves tpot_target_s only), so the treatment is benched in the same rounds as the
+        # baselines, before the fit: a slow stretch of the shared machine falls on both alike
+        got = measure(args, baselines + treatment_servers(treatment), console, mix)
+        got, measured = got[:len(kinds)], got[len(kinds):]
+    for kind, one in zip(kinds, got):
+        spreads[f"dedicated {kind}"] = one["spread"]
         measured_files.append(base / f"dedicated-{kind}" / "results.json")
     console.print(f"mix {mix}: fitting on the baselines")
     result = fit(parse_scenario(raw, "fit scenario"), load_measured(measured_files, FIT_METRICS),
@@ -151,25 +217,25 @@ def one_mix(args, mix: str, share: float, console: Console) -> dict:
     fitted = base / "fitted.json"
     save_calibration(result.calibration, fitted)
     target = treatment_target(args.target_factor, json.loads(measured_files[1].read_text()))
-    treatment = raw | {"configurations": list(args.configurations),
-                       "cluster": {**raw.get("cluster", {}), "gpus": 1}}
     if target is not None:
         treatment["scheduler"] = {**raw.get("scheduler", {}), "tpot_target_s": target}
-    # the treatment is served with the fitted calibration (its target's predictor, as a team
-    # would deploy after the fit) and predicted with it; the prior shows what no fit gives
+    # the treatment is predicted with the fitted calibration (and served with it where its
+    # target's predictor needs one, as a team would deploy after the fit); the prior shows
+    # what no fit gives
     served = treatment | {"calibration": str(fitted)}
-    predicted, prior, measured = [], [], []
+    predicted, prior = [], []
     for cfg in args.configurations:
         predicted.append({"configuration": cfg,
                           "metrics": simulate(parse_scenario(served, "prediction"), cfg).metrics})
         prior.append({"configuration": cfg,
                       "metrics": simulate(parse_scenario(treatment, "prior"), cfg).metrics})
-    for cfg in args.configurations:
-        console.print(f"mix {mix}: measuring {cfg} ({args.duration:.0f} s)")
-        measured.append(measure(args, "unified", served, cfg, base / cfg.replace(":", "_"), cfg))
-        spreads[cfg] = measured[-1].pop("spread")
+    if measured is None:
+        measured = measure(args, treatment_servers(served), console, mix)
+    for cfg, one in zip(args.configurations, measured):
+        spreads[cfg] = one.pop("spread")
     return {"mix": mix, "spread": spreads, "target_s": target,
             "iterations": server_iterations(base, fitted, args.model, raw),
+            "speed": machine_speed(base, args.calibration, args.model, raw),
             "fit": {k: {kk: vv for kk, vv in v.items() if kk != "bounds"}
                     for k, v in result.parameters.items()},
             "fit_residuals": result.residuals, "predicted": compare(predicted, measured),
@@ -184,8 +250,26 @@ def server_iterations(base: Path, calibration: Path, model: Path, raw: dict) -> 
     (where the server records them: not stock vLLM): is a miss the schedule's or the cost's?"""
     rank = (raw.get("embedding") or {}).get("lora_rank")
     cost = calibrated_predictor(str(calibration), str(model), rank).cost
-    rows = [row for log in sorted(base.glob("*/iterations.jsonl")) for row in load_iterations(log)]
+    rows = [row for log in sorted(base.glob("*/iterations*.jsonl")) for row in load_iterations(log)]
     return iteration_residuals(rows, cost) if rows else []
+
+
+def machine_speed(base: Path, prior: str, model: Path, raw: dict) -> dict[str, list[float]]:
+    """Per server, each run's (round's) recorded iterations: measured time over what the prior
+    calibration predicts for the same batches. The prior is one fixed yardstick, so a run that
+    found the shared machine slower shows as a larger ratio, whoever's run it was."""
+    rank = (raw.get("embedding") or {}).get("lora_rank")
+    cost = calibrated_predictor(str(prior), str(model), rank).cost
+    out: dict[str, list[float]] = {}
+    for folder in sorted(p for p in base.iterdir() if p.is_dir()):
+        logs = sorted(folder.glob("iterations*.jsonl"), key=lambda f: (len(f.name), f.name))
+        for log in logs:
+            rows = load_iterations(log)
+            if rows:
+                measured = sum(r["seconds"] for r in rows)
+                out.setdefault(folder.name, []).append(
+                    measured / sum(cost.shape_time(r["shape"]) for r in rows))
+    return out
 
 
 def treatment_target(factor: float, generation_baseline: dict) -> float | None:
@@ -211,7 +295,31 @@ def completions(metrics: dict) -> dict:
 
 # what a stored run was measured with: ``--tables-only`` writes its tables with these
 RUN_ARGUMENTS = ("duration", "warmup", "clients", "repeat", "target_factor", "engine_cpus",
-                 "client_cpus", "min_completions")
+                 "client_cpus", "min_completions", "calibration")
+
+
+def _prior_argument(args) -> str:
+    """``--calibration FILE`` as the run was given it (a prior profiled in the run: nothing)."""
+    cal = getattr(args, "calibration", None)
+    if not cal or Path(cal).parent.name == "prior":
+        return ""
+    try:
+        return f" --calibration {Path(cal).relative_to(ROOT)}"
+    except ValueError:
+        return f" --calibration {cal}"
+
+
+def _prior_text(args) -> str:
+    cal = getattr(args, "calibration", None)
+    if not cal:
+        return "unrecorded"
+    if Path(cal).parent.name == "prior":
+        return "a profile of the engine on its CPUs made in the same run (`orthrus-real calibrate --cpus`)"
+    from orthrus_sim.costmodel import load_calibration
+
+    env = load_calibration(cal).environment
+    made = f", {env.threads} thread(s), {env.dtype}" if env else ""
+    return f"`{Path(cal).name}` (made {load_calibration(cal).created}{made})"
 
 
 def table_lines(results: list[dict], args, wall: float) -> list[str]:
@@ -223,10 +331,12 @@ def table_lines(results: list[dict], args, wall: float) -> list[str]:
         f"Generated by `python scripts/fit_validation.py --backend {args.backend} --duration "
         f"{args.duration:.0f} --warmup {args.warmup:.0f} --clients {args.clients} --repeat "
         f"{args.repeat} --target-factor {args.target_factor:g} --mixes "
-        f"{','.join(r['mix'] for r in results)}` on {datetime.date.today().isoformat()} "
+        f"{','.join(r['mix'] for r in results)}{_prior_argument(args)}` on "
+        f"{datetime.date.today().isoformat()} "
         f"({wall:.0f} s), machine {machine['machine']} ({', '.join(machine['cpu_flags'])}), "
         f"engine on CPUs {args.engine_cpus or 'all'}, client on {args.client_cpus or 'all'}; "
-        f"engine: {engine}. For each mix the cost factors were fitted on the two dedicated "
+        f"engine: {engine}; prior calibration: {_prior_text(args)}. For each mix the cost "
+        "factors were fitted on the two dedicated "
         "servers alone, then Orthrus and the unified baselines were predicted and measured. "
         "Cells: (predicted - measured) / measured with the fitted calibration, and in brackets "
         "with the prior calibration (no fit). Targets: throughput within 10 %, p50 within 20 %; "
@@ -279,7 +389,8 @@ def table_lines(results: list[dict], args, wall: float) -> list[str]:
             + ".")
     if args.repeat > 1:
         lines += ["", f"Run-to-run spread (coefficient of variation over {args.repeat} repeated "
-                  "benches of each server; the cells compare with their mean):", ""]
+                  "benches of each server, in rounds over the servers, each started afresh; the "
+                  "cells compare with their mean):", ""]
         for r in results:
             for server, sp in r["spread"].items():
                 lines.append(f"* {r['mix']} {server}: " + ", ".join(
@@ -317,6 +428,16 @@ def iteration_lines(results: list[dict]) -> list[str]:
             cells = [f"{kinds[k]['ratio']:.2f} ({kinds[k]['iterations']})" if k in kinds else "-"
                      for k in ("all", *ITERATION_KINDS)]
             lines.append(f"| {r['mix']} | {log} | " + " | ".join(cells) + " |")
+    if any(r.get("speed") for r in results):
+        lines += ["", "The machine's speed: each server run's iterations, their measured time over "
+                  "what the prior calibration predicts for the same batches (one fixed yardstick), "
+                  "per run in the order of the rounds; a slow stretch of the shared machine shows "
+                  "as a larger ratio on whichever server ran then:", ""]
+        for r in results:
+            if r.get("speed"):
+                lines.append(f"* {r['mix']}: " + "; ".join(
+                    f"{server} {', '.join(f'{x:.2f}' for x in ratios)}"
+                    for server, ratios in r["speed"].items()))
     return lines
 
 
@@ -349,8 +470,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, default=16, help="closed-loop clients of a mix")
     parser.add_argument("--configurations", default=",".join(TREATMENT))
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "small")
-    parser.add_argument("--calibration", default=None, help="the prior (default: the backend's "
-                        "shipped CPU calibration)")
+    parser.add_argument("--calibration", default=None, help="the prior (default: profile the "
+                        "engine in this run, on --engine-cpus: orthrus-real calibrate)")
     parser.add_argument("--engine-cpus", default="1", help="'' for no pinning")
     parser.add_argument("--client-cpus", default="0", help="'' for no pinning")
     parser.add_argument("--workers", type=int, default=1, help="parallel simulations of the fit")
@@ -359,7 +480,8 @@ def arguments() -> argparse.ArgumentParser:
                         "measured TPOT p50 (0: no target)")
     parser.add_argument("--min-completions", type=int, default=20, help="cells of a kind with "
                         "fewer finished requests are shown but not judged")
-    parser.add_argument("--repeat", type=int, default=1, help="benches of each server (the fit "
+    parser.add_argument("--repeat", type=int, default=1, help="benches of each server, in rounds "
+                        "over the servers (the fit "
                         "sees every run; the comparison their mean; the spread is reported)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "fit_validation")
     parser.add_argument("--write-docs", action="store_true", help="update docs/fidelity.md")
@@ -373,9 +495,6 @@ def main() -> None:
     args = arguments().parse_args()
     args.out = args.out.resolve()  # the scenarios it writes name files under it
     args.configurations = [c for c in args.configurations.split(",") if c]
-    args.calibration = args.calibration or str(
-        ROOT / "calibration" / ("cpu-2core-small-vllm.json" if args.backend == "vllm"
-                                else "cpu-2core-small.json"))
     console = Console()
     if not (args.model / "config.json").exists():
         subprocess.run([sys.executable, "-m", "orthrus_real.cli", "init-model", str(args.model),
@@ -383,6 +502,8 @@ def main() -> None:
     parse_cpus(args.engine_cpus, "--engine-cpus")
     pin_process(parse_cpus(args.client_cpus, "--client-cpus"))
     summary = args.out / f"summary-{args.backend}.json"
+    if not args.tables_only:
+        args.calibration = prior_calibration(args, console)
     if args.tables_only:  # the tables again from the stored results, with the run's arguments
         stored = json.loads(summary.read_text())
         results, wall = stored["mixes"], stored["wall_s"]

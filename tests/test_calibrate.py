@@ -26,6 +26,14 @@ def calibration(tiny_models, tmp_path_factory):
     return out
 
 
+def test_calibrate_cpus_are_checked_before_anything_runs(tiny_models, tmp_path):
+    model = tiny_models["llama"]
+    res = CliRunner().invoke(app, ["calibrate", "--model", str(model), "--out",
+                                   str(tmp_path / "c.json"), "--cpus", "999"])
+    assert res.exit_code != 0 and "--cpus '999': this machine has CPUs" in res.output
+    assert not (tmp_path / "c.json").exists()
+
+
 def test_calibrate_writes_a_file_the_simulator_accepts(calibration, tiny_models):
     cal = load_calibration(calibration)
     assert cal.hardware == "cpu-2core" and cal.fit_error.points > 20
@@ -108,6 +116,10 @@ def test_calibration_records_its_machine_and_validate_bench_warn_elsewhere(calib
         "machine": "Some Other CPU", "dtype": "float16"})}), other)
     line = environment_check(str(other), model)
     assert line and "Some Other CPU" in line and "dtype float16 there" in line
+    # the engine's threads: a two-core profile does not price a one-core engine
+    assert environment_check(str(calibration), model, threads=env.threads) is None
+    line = environment_check(str(calibration), model, threads=(env.threads or 1) + 1)
+    assert line and f"{env.threads} engine thread(s) there, {(env.threads or 1) + 1} here" in line
     # validate and bench say it in one line
     res = CliRunner().invoke(app, ["validate", str(tmp_path / "missing.yaml"), "--model", model,
                                    "--calibration", str(other)])

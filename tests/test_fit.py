@@ -170,6 +170,32 @@ def test_only_kind_keeps_one_kinds_pools():
         only_kind(scenario_raw(), "vision")
 
 
+def test_a_kinds_pool_alone_sends_what_it_sends_in_the_whole_scenario():
+    """The dedicated generation server is benched with the generation pool alone; the fit
+    simulates the whole scenario. Both must see the very same requests (common random numbers):
+    with per-kind closed-loop pools on a split, the generation server's run is the same run."""
+    raw = scenario_raw()
+    whole = simulate(parse_scenario(raw), "dedicated-1:1").requests
+    alone = simulate(parse_scenario(only_kind(raw, "generation")), "dedicated-1:1").requests
+    gen = [r for r in whole if r["kind"] == "generation"]
+    assert gen and gen == alone
+    assert {r["request_id"].split("-")[1][:2] for r in alone} == {"p1"}
+
+
+def test_pool_streams_name_the_requests_and_must_differ():
+    raw = scenario_raw()
+    raw["workload"]["pools"][1]["stream"] = "chat"
+    rows = simulate(parse_scenario(raw), "dedicated-1:1").requests
+    assert {r["request_id"].split("-")[1][:5] for r in rows if r["kind"] == "generation"} == {"pchat"}
+    raw["workload"]["pools"][0]["stream"] = "chat"
+    with pytest.raises(ValueError, match="stream 'chat' names two pools"):
+        parse_scenario(raw)
+    raw["workload"]["pools"][0]["stream"] = "1"  # the other pool's default name
+    with pytest.raises(ValueError, match="stream '1' names two pools"):
+        parse_scenario({**raw, "workload": {**raw["workload"], "pools": [
+            raw["workload"]["pools"][0], {**raw["workload"]["pools"][1], "stream": None}]}})
+
+
 # ----- where a calibration comes from ----------------------------------------------------------
 def test_environment_warning_fires_on_another_machine_or_dtype():
     here = this_machine()
@@ -217,13 +243,17 @@ def test_fit_validation_tables_and_docs_section(tmp_path, monkeypatch):
              "relative_error": 0.1 if m.startswith("throughput") else 0.3} for m, _ in fv.COMPARED]
     params = {"embedding_scale": {"value": 1.2, "status": "fitted"},
               "overlap": {"value": 1.0, "status": "undetermined"}}
-    results = [{"mix": "5:5", "fit": params, "predicted": rows, "prior": rows}]
+    results = [{"mix": "5:5", "fit": params, "predicted": rows, "prior": rows,
+                "iterations": [{"log": "orthrus", "batch": "all", "ratio": 1.02, "iterations": 9}],
+                "speed": {"dedicated-embedding": [1.0, 1.1], "orthrus": [1.2]}}]
     args = SimpleNamespace(backend="torch", duration=20.0, warmup=4.0, clients=8, repeat=1,
                            configurations=["orthrus"], engine_cpus="1", client_cpus="0",
                            target_factor=0.0, min_completions=20)
     text = "\n".join(fv.table_lines(results, args, 12.0))
     assert "| 5:5 | orthrus | +10.0% (+10%) |" in text and "**+30.0%**" in text
     assert "2 of 6 cells meet their target." in text and "MAPE with the fitted calibration" in text
+    assert "* 5:5: dedicated-embedding 1.00, 1.10; orthrus 1.20" in text
+    assert "| 5:5 | orthrus | 1.02 (9) |" in text
     # too few generations finished: their four cells are shown with the count, not judged
     few = [{**results[0], "target_s": 0.2,
             "completed": {"orthrus": {"embedding": 40.0, "generation": 7.0}},
@@ -237,6 +267,26 @@ def test_fit_validation_tables_and_docs_section(tmp_path, monkeypatch):
     assert fv.treatment_target(0.0, generation) is None
     with pytest.raises(SystemExit, match="no TPOT"):
         fv.treatment_target(2.0, {"runs": [{"metrics": {"latency_s": {"tpot": None}}}]})
+    # the prior: the one given, named in the command and the header; else profiled in the run
+    shipped = ROOT / "calibration" / "cpu-1core-small.json"
+    given = SimpleNamespace(**{**vars(args), "calibration": str(shipped)})
+    text = "\n".join(fv.table_lines(results, given, 1.0))
+    assert "--calibration calibration/cpu-1core-small.json`" in text
+    assert "prior calibration: `cpu-1core-small.json` (made 2026-12-01, 1 thread(s), bfloat16)" in text
+    assert fv.prior_calibration(given, None) == str(shipped)
+    calls = []
+    monkeypatch.setattr(fv.subprocess, "run", lambda cmd, **kw: calls.append((cmd, kw)))
+    made = SimpleNamespace(**{**vars(args), "calibration": None, "out": tmp_path / "fv",
+                              "model": tmp_path / "m"})
+    from rich.console import Console
+
+    path = fv.prior_calibration(made, Console(quiet=True))
+    (cmd, kw), = calls
+    assert path == str(tmp_path / "fv" / "prior" / "calibration-torch.json")
+    assert cmd[2:4] == ["orthrus_real.cli", "calibrate"] and cmd[cmd.index("--cpus") + 1] == "1"
+    assert cmd[cmd.index("--out") + 1] == path and kw["check"]
+    assert "profile of the engine on its CPUs made in the same run" in "\n".join(
+        fv.table_lines(results, SimpleNamespace(**{**vars(args), "calibration": path}), 1.0))
     # a stored run keeps what it was measured with (--tables-only writes its tables with that)
     assert set(fv.RUN_ARGUMENTS) <= set(vars(fv.arguments().parse_args([])))
     lines = fv.table_lines(results, args, 12.0)
@@ -250,6 +300,64 @@ def test_fit_validation_tables_and_docs_section(tmp_path, monkeypatch):
     out = doc.read_text()
     assert out.startswith("# Fidelity\n\ntoday's table\n") and out.count(fv.START) == 2
     assert out.count("(torch)") == 1 and out.count("(vllm)") == 1
+
+
+def test_fit_validation_measures_in_rounds(tmp_path, monkeypatch):
+    """--repeat N benches every server once per round (each started afresh), so a slow minute
+    of the machine falls on one run of one server; each server's results hold all its runs."""
+    pytest.importorskip("torch")
+    import importlib.util
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    spec = importlib.util.spec_from_file_location("fit_validation", ROOT / "scripts" / "fit_validation.py")
+    fv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fv)
+    calls = []
+
+    def fake_serve_and_bench(cmd, port, sc, label, log, start_timeout, env, iterations):
+        calls.append((label, log.name, iterations.name))
+        value = float(len(calls))
+        return [{"configuration": label, "metrics": {"throughput_rps": {"embedding": value}}}]
+
+    monkeypatch.setattr(fv, "serve_and_bench", fake_serve_and_bench)
+    args = SimpleNamespace(repeat=2, duration=1.0, backend="torch", engine_cpus="", model=tmp_path,
+                           calibration=None)
+    raw = scenario_raw()
+    servers = [("unified", raw, cfg, tmp_path / cfg, cfg) for cfg in ("orthrus", "unified-homo")]
+    got = fv.measure(args, servers, Console(quiet=True), "5:5")
+    assert calls == [("orthrus", "server.log", "iterations.jsonl"),
+                     ("unified-homo", "server.log", "iterations.jsonl"),
+                     ("orthrus", "server-2.log", "iterations-2.jsonl"),
+                     ("unified-homo", "server-2.log", "iterations-2.jsonl")]
+    assert [g["metrics"]["throughput_rps"]["embedding"] for g in got] == [2.0, 3.0]  # 1,3 and 2,4
+    doc = json.loads((tmp_path / "orthrus" / "results.json").read_text())
+    assert [r["metrics"]["throughput_rps"]["embedding"] for r in doc["runs"]] == [1.0, 3.0]
+
+
+def test_fit_validation_machine_speed_is_per_run_against_the_prior(tmp_path):
+    pytest.importorskip("torch")
+    import importlib.util
+
+    from orthrus_sim.costmodel import calibrated_predictor
+    from orthrus_sim.costmodel.shape import BatchShape
+
+    spec = importlib.util.spec_from_file_location("fit_validation", ROOT / "scripts" / "fit_validation.py")
+    fv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fv)
+    prior = str(ROOT / "calibration" / "cpu-1core-small.json")
+    cost = calibrated_predictor(prior, "orthrus-small", 16).cost
+    shape = BatchShape.from_items([(2, 1, 100)] * 8)
+    folder = tmp_path / "orthrus"
+    folder.mkdir()
+    for name, slow in (("iterations.jsonl", 1.0), ("iterations-2.jsonl", 1.5),
+                       ("iterations-10.jsonl", 2.0)):
+        row = {"seconds": slow * cost.shape_time(shape), "shape": {
+            k: getattr(shape, k) for k in BatchShape.__slots__}}
+        (folder / name).write_text(json.dumps(row) + "\n")
+    speed = fv.machine_speed(tmp_path, prior, "orthrus-small", {"embedding": {"lora_rank": 16}})
+    assert speed == {"orthrus": pytest.approx([1.0, 1.5, 2.0])}
 
 
 def test_documented_examples_load():

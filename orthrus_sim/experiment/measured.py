@@ -138,7 +138,10 @@ def load_measured(paths: list[str | Path], patterns: list[str] | None = None) ->
 
 def only_kind(raw: dict, kind: str) -> dict:
     """A scenario mapping whose load sends requests of ``kind`` only: its per-kind pools of the
-    other kind are left out (what a dedicated single-kind server is benched with)."""
+    other kind are left out (what a dedicated single-kind server is benched with). A kept pool
+    keeps its stream (its position in the whole list, unless named): it sends the very requests
+    it sends in the whole scenario, so that a fit of the scenario to these measurements
+    simulates the requests that were measured."""
     if kind not in KINDS:
         raise ValueError(f"--only must be one of {', '.join(KINDS)}, got {kind!r}")
     raw = copy.deepcopy(raw)
@@ -146,7 +149,8 @@ def only_kind(raw: dict, kind: str) -> dict:
     if not pools or any(p.get("kind", "mixed") not in KINDS for p in pools):
         raise ValueError("--only needs a scenario whose workload lists per-kind pools "
                          "(workload.pools with kind: embedding / generation)")
-    kept = [p for p in pools if p.get("kind") == kind]
+    kept = [{**p, "stream": p.get("stream") or str(i)} for i, p in enumerate(pools)
+            if p.get("kind") == kind]
     if not kept:
         raise ValueError(f"--only {kind}: the scenario has no {kind} pool")
     raw["workload"]["pools"] = kept

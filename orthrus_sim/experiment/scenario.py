@@ -197,6 +197,13 @@ class Pool(Strict):
     cv: float = Field(default=1.0, gt=0)
     count: int | None = Field(default=None, ge=1, description="burst: arrivals at the start")
     generation_share: float | None = Field(default=None, ge=0, le=1)
+    stream: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="names the pool's request streams (its clients' names, p<stream>c<k>, and "
+                    "their random draws); default: the pool's position (a phase's: "
+                    "<phase>.<position>). A pool keeps its requests under another position "
+                    "with its old name: a dedicated server benched with one kind's pool "
+                    "(bench --only) sends what that pool sends in the whole scenario")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -294,6 +301,13 @@ class Workload(Strict):
             for pool in self.pools + [p for ph in self.phases for p in ph.pools]:
                 if pool.kind == "workflow":
                     raise ValueError("pools: kind 'workflow' needs workload.kind 'iter-retgen'")
+        streams = [p.stream or str(i) for i, p in enumerate(self.pools)]
+        streams += [p.stream or f"{n}.{j}" for n, ph in enumerate(self.phases)
+                    for j, p in enumerate(ph.pools)]
+        twice = sorted({s for s in streams if streams.count(s) > 1})
+        if twice:
+            raise ValueError(f"pools: stream {twice[0]!r} names two pools (each pool's requests "
+                             "need a stream of their own)")
         by_time = [p.duration_s is not None for p in self.phases]
         if any(by_time) and not all(by_time):
             raise ValueError("phases: give every phase a duration_s, or every phase a requests count")

@@ -314,12 +314,12 @@ class Workload:
         if w.kind == "trace":
             return [("trace", self._trace())]
         out = [(name, gen) for i, pool in enumerate(w.default_pools())
-               for name, gen in self._pool_sources(pool, str(i), 0.0, None)]
+               for name, gen in self._pool_sources(pool, pool.stream or str(i), 0.0, None)]
         start = 0.0
         for p, phase in enumerate(w.phases):
             end = start + (phase.duration_s or 0.0)
             for j, pool in enumerate(phase.pools):
-                out += self._pool_sources(pool, f"{p}.{j}", start, end)
+                out += self._pool_sources(pool, pool.stream or f"{p}.{j}", start, end)
             start = end
         return out
 
