@@ -156,13 +156,16 @@ def measure(args, servers: list[tuple], console: Console, mix: str) -> list[dict
     ``iterations[-R].jsonl`` and ``server[-R].log``. Returns per server its label, mean metrics
     and spread, with every run in its results.json."""
     runs: dict[int, list[dict]] = {i: [] for i in range(len(servers))}
+    scenarios = []
+    for _, raw, _, out, _ in servers:
+        out.mkdir(parents=True, exist_ok=True)
+        scenario_file = out / "scenario.yaml"
+        scenario_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+        scenarios.append((scenario_file, parse_scenario(raw, str(scenario_file))))
     for r in range(args.repeat):
         suffix = f"-{r + 1}" if r else ""
-        for i, (role, raw, label, out, configuration) in enumerate(servers):
-            out.mkdir(parents=True, exist_ok=True)
-            scenario_file = out / "scenario.yaml"
-            scenario_file.write_text(yaml.safe_dump(raw, sort_keys=False))
-            sc = parse_scenario(raw, str(scenario_file))
+        for i, (role, _, label, out, configuration) in enumerate(servers):
+            scenario_file, sc = scenarios[i]
             round_text = f", round {r + 1} of {args.repeat}" if args.repeat > 1 else ""
             what = label if role == "unified" else f"the dedicated {role} server"
             console.print(f"mix {mix}: measuring {what} ({args.duration:.0f} s{round_text})")
@@ -172,8 +175,8 @@ def measure(args, servers: list[tuple], console: Console, mix: str) -> list[dict
                                        start_timeout=300.0, env=env,
                                        iterations=out / f"iterations{suffix}.jsonl")
     got = []
-    for i, (_, raw, label, out, _) in enumerate(servers):
-        doc = results_doc(scenario_dump(parse_scenario(raw, str(out / "scenario.yaml"))), runs[i])
+    for i, (_, _, label, out, _) in enumerate(servers):
+        doc = results_doc(scenario_dump(scenarios[i][1]), runs[i])
         if len(runs[i]) > 1:
             doc["repeats"] = spread(runs[i])
         write_json(doc, out / "results.json")
@@ -248,27 +251,30 @@ def one_mix(args, mix: str, share: float, console: Console) -> dict:
 def server_iterations(base: Path, calibration: Path, model: Path, raw: dict) -> list[dict]:
     """Each server's recorded iterations against the fitted cost model for the same batches
     (where the server records them: not stock vLLM): is a miss the schedule's or the cost's?"""
-    rank = (raw.get("embedding") or {}).get("lora_rank")
-    cost = calibrated_predictor(str(calibration), str(model), rank).cost
+    cost = _cost_model(calibration, model, raw)
     rows = [row for log in sorted(base.glob("*/iterations*.jsonl")) for row in load_iterations(log)]
     return iteration_residuals(rows, cost) if rows else []
+
+
+def _cost_model(calibration, model: Path, raw: dict):
+    """The cost model of ``calibration`` (its factors applied) for the scenario's adapter."""
+    rank = (raw.get("embedding") or {}).get("lora_rank")
+    return calibrated_predictor(str(calibration), str(model), rank).cost
 
 
 def machine_speed(base: Path, prior: str, model: Path, raw: dict) -> dict[str, list[float]]:
     """Per server, each run's (round's) recorded iterations: measured time over what the prior
     calibration predicts for the same batches. The prior is one fixed yardstick, so a run that
     found the shared machine slower shows as a larger ratio, whoever's run it was."""
-    rank = (raw.get("embedding") or {}).get("lora_rank")
-    cost = calibrated_predictor(str(prior), str(model), rank).cost
+    cost = _cost_model(prior, model, raw)
     out: dict[str, list[float]] = {}
     for folder in sorted(p for p in base.iterdir() if p.is_dir()):
         logs = sorted(folder.glob("iterations*.jsonl"), key=lambda f: (len(f.name), f.name))
         for log in logs:
             rows = load_iterations(log)
-            if rows:
-                measured = sum(r["seconds"] for r in rows)
-                out.setdefault(folder.name, []).append(
-                    measured / sum(cost.shape_time(r["shape"]) for r in rows))
+            if rows:  # the "all" row of the same-batches check: its sums, inverted
+                whole = iteration_residuals(rows, cost)[0]
+                out.setdefault(folder.name, []).append(whole["measured_s"] / whole["predicted_s"])
     return out
 
 
@@ -298,10 +304,15 @@ RUN_ARGUMENTS = ("duration", "warmup", "clients", "repeat", "target_factor", "en
                  "client_cpus", "min_completions", "calibration")
 
 
+def _profiled_in_run(cal: str) -> bool:
+    """A prior ``prior_calibration`` made in the run (not given with --calibration)."""
+    return Path(cal).parent.name == "prior"
+
+
 def _prior_argument(args) -> str:
     """``--calibration FILE`` as the run was given it (a prior profiled in the run: nothing)."""
     cal = getattr(args, "calibration", None)
-    if not cal or Path(cal).parent.name == "prior":
+    if not cal or _profiled_in_run(cal):
         return ""
     try:
         return f" --calibration {Path(cal).relative_to(ROOT)}"
@@ -313,13 +324,14 @@ def _prior_text(args) -> str:
     cal = getattr(args, "calibration", None)
     if not cal:
         return "unrecorded"
-    if Path(cal).parent.name == "prior":
+    if _profiled_in_run(cal):
         return "a profile of the engine on its CPUs made in the same run (`orthrus-real calibrate --cpus`)"
     from orthrus_sim.costmodel import load_calibration
 
-    env = load_calibration(cal).environment
+    loaded = load_calibration(cal)
+    env = loaded.environment
     made = f", {env.threads} thread(s), {env.dtype}" if env else ""
-    return f"`{Path(cal).name}` (made {load_calibration(cal).created}{made})"
+    return f"`{Path(cal).name}` (made {loaded.created}{made})"
 
 
 def table_lines(results: list[dict], args, wall: float) -> list[str]:
@@ -502,14 +514,13 @@ def main() -> None:
     parse_cpus(args.engine_cpus, "--engine-cpus")
     pin_process(parse_cpus(args.client_cpus, "--client-cpus"))
     summary = args.out / f"summary-{args.backend}.json"
-    if not args.tables_only:
-        args.calibration = prior_calibration(args, console)
     if args.tables_only:  # the tables again from the stored results, with the run's arguments
         stored = json.loads(summary.read_text())
         results, wall = stored["mixes"], stored["wall_s"]
         for name, value in stored.get("arguments", {}).items():
             setattr(args, name, value)
     else:
+        args.calibration = prior_calibration(args, console)
         started = time.time()
         results = []
         for mix in args.mixes.split(","):
