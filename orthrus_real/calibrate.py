@@ -37,6 +37,7 @@ from orthrus_sim.costmodel.calibration import (
     mape,
 )
 from orthrus_sim.costmodel.coefficients import Coefficients
+from orthrus_sim.costmodel.iteration_check import batch_kind
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine import SchedulerConfig
 
@@ -168,14 +169,15 @@ def profile_load(runner: EngineThread, seconds: float, token_range: int = 500) -
 
 
 def _category(shape: BatchShape, point_category: str) -> str:
+    """A profiled row's category: what the batch carried (``batch_kind``, the one classifier
+    of batch contents), decodes beside chunks named "mixed"; a load-driven row stays "load"."""
     if point_category == "load":
         return "load"
-    if shape.chunk_tokens and shape.decodes:
+    kind = batch_kind(shape)
+    if kind.endswith("+decode"):
         return "mixed"
-    if shape.pooled_rows == shape.tokens:
-        return "embedding"
-    if shape.decodes == shape.tokens:
-        return "decode"
+    if kind in ("embedding", "decode"):
+        return kind
     return point_category if point_category != "mixed" else "prefill"
 
 

@@ -129,3 +129,26 @@ def test_calibration_records_its_machine_and_validate_bench_warn_elsewhere(calib
                                    "--set", "warmup_s=0", "--out", str(tmp_path / "b")])
     assert "warning:" in res.output and "Some Other CPU" in res.output
     assert res.exit_code == 1  # nothing listens there
+
+
+def test_profiled_rows_are_categorised_by_what_the_batch_carried():
+    from orthrus_real.calibrate import _category
+    from orthrus_sim.costmodel.shape import BatchShape
+    from orthrus_sim.engine.batch import ItemKind
+
+    def shape(*items) -> BatchShape:
+        s = BatchShape()
+        for kind, n, ctx in items:
+            s.add_item(kind, n, ctx)
+        return s
+
+    emb = (ItemKind.EMBED_CHUNK, 128, 0)
+    pre = (ItemKind.PREFILL_CHUNK, 64, 0)
+    dec = (ItemKind.DECODE, 1, 200)
+    assert _category(shape(emb, emb), "embedding") == "embedding"
+    assert _category(shape(dec, dec), "decode") == "decode"
+    assert _category(shape(pre, dec), "prefill") == "mixed"
+    assert _category(shape(emb, dec), "embedding") == "mixed"
+    assert _category(shape(pre), "mixed") == "prefill"  # a mixed point that ran no decodes
+    assert _category(shape(emb, pre), "prefill") == "prefill"
+    assert _category(shape(dec), "load") == "load"

@@ -371,6 +371,50 @@ def test_per_token_lora_ops_equal_vllms_and_skip_rows_without_adapter():
     assert torch.equal(out, before)
 
 
+def test_a_batch_without_adapter_rows_skips_the_lora_calls():
+    """vLLM's CPU punica wrapper, as the plug-in installs it: a batch none of whose rows has
+    an adapter (decodes and prompts of generations) makes no LoRA op call and leaves the
+    output as it was; a batch with adapter rows gets the adapter's delta on those rows only,
+    prefill-shaped and decode-shaped alike."""
+    import torch
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    from orthrus_real.vllm_backend import lora_cpu
+
+    lora_cpu.install()
+    lora_cpu.install()  # once per process: a second install wraps nothing twice
+    gen = torch.Generator().manual_seed(2)
+    T, d_in, r, d_out = 6, 24, 4, 40
+    a, b = torch.randn(2, 1, r, d_in, generator=gen), torch.randn(2, 1, d_out, r, generator=gen)
+    a[-1], b[-1] = 0, 0  # the empty slot, as the engine keeps it
+    x, before = torch.randn(T, d_in, generator=gen), torch.randn(T, d_out, generator=gen)
+    wrapper = punica_cpu.PunicaWrapperCPU(64, 8, "cpu")
+    calls = []
+    real = {name: getattr(punica_cpu, name) for name in ("bgmv_shrink", "sgmv_shrink")}
+    try:
+        for name, op in real.items():
+            setattr(punica_cpu, name, lambda *args, _op=op, **kw: (calls.append(1), _op(*args, **kw)))
+        for prefill in (True, False):
+            calls.clear()
+            none = LoRAMapping((0,) * T, (0,) * (2 if prefill else T), is_prefill=prefill)
+            wrapper.update_metadata(none, [1, None], 2, 500)
+            y = before.clone()
+            wrapper.add_lora_linear(y, x, (a,), (b,), 1.0, (d_out,))
+            assert torch.equal(y, before) and calls == [] and not wrapper.orthrus_adapter_rows
+            some = LoRAMapping((1, 1, 1, 0, 0, 0), (1, 0) if prefill else (1, 1, 1, 0, 0, 0),
+                               is_prefill=prefill)
+            wrapper.update_metadata(some, [1, None], 2, 500)
+            y = before.clone()
+            wrapper.add_lora_linear(y, x, (a,), (b,), 1.0, (d_out,))
+            assert calls and wrapper.orthrus_adapter_rows
+            want = before[:3] + (x[:3] @ a[0, 0].T) @ b[0, 0].T
+            assert torch.allclose(y[:3], want, atol=1e-5) and torch.equal(y[3:], before[3:])
+    finally:
+        for name, op in real.items():
+            setattr(punica_cpu, name, op)
+
+
 def test_the_plug_in_runs_the_whole_config_it_is_handed(model64):
     """Issue 25: the plug-in got a hand-picked subset (no kv_admission: reserve ran as
     optimistic). Every field but those vLLM decides now arrives, non-default values included."""
