@@ -18,6 +18,7 @@ from pathlib import Path
 
 from orthrus_sim.experiment.quantiles import PERCENTILES
 from orthrus_sim.experiment.results import KINDS, SCHEMA
+from orthrus_sim.experiment.scenario import pool_stream
 from orthrus_sim.files import read_structured
 
 THROUGHPUT_KEYS = (*KINDS, "combined", "workflow")
@@ -149,7 +150,7 @@ def only_kind(raw: dict, kind: str) -> dict:
     if not pools or any(p.get("kind", "mixed") not in KINDS for p in pools):
         raise ValueError("--only needs a scenario whose workload lists per-kind pools "
                          "(workload.pools with kind: embedding / generation)")
-    kept = [{**p, "stream": p.get("stream") or str(i)} for i, p in enumerate(pools)
+    kept = [{**p, "stream": pool_stream(p.get("stream"), i)} for i, p in enumerate(pools)
             if p.get("kind") == kind]
     if not kept:
         raise ValueError(f"--only {kind}: the scenario has no {kind} pool")

@@ -177,6 +177,15 @@ class Arrival(Strict):
         return self
 
 
+def pool_stream(stream: str | None, position: int, phase: int | None = None) -> str:
+    """A pool's stream (what names its clients and seeds their draws): its own ``stream``, or
+    its position (``i`` among the workload's pools, ``p.j`` for pool j of phase p): the one
+    rule the validator, the generator and ``only_kind`` share."""
+    if stream:
+        return stream
+    return str(position) if phase is None else f"{phase}.{position}"
+
+
 class Pool(Strict):
     """One source of load with its own arrival process.
 
@@ -301,8 +310,8 @@ class Workload(Strict):
             for pool in self.pools + [p for ph in self.phases for p in ph.pools]:
                 if pool.kind == "workflow":
                     raise ValueError("pools: kind 'workflow' needs workload.kind 'iter-retgen'")
-        streams = [p.stream or str(i) for i, p in enumerate(self.pools)]
-        streams += [p.stream or f"{n}.{j}" for n, ph in enumerate(self.phases)
+        streams = [pool_stream(p.stream, i) for i, p in enumerate(self.pools)]
+        streams += [pool_stream(p.stream, j, n) for n, ph in enumerate(self.phases)
                     for j, p in enumerate(ph.pools)]
         twice = sorted({s for s in streams if streams.count(s) > 1})
         if twice:

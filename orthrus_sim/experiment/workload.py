@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from orthrus_sim.engine.request import RequestKind
-from orthrus_sim.experiment.scenario import Pool, Scenario
+from orthrus_sim.experiment.scenario import Pool, Scenario, pool_stream
 from orthrus_sim.experiment.trace import load_trace
 
 EMB, GEN = RequestKind.EMBEDDING, RequestKind.GENERATION
@@ -314,12 +314,12 @@ class Workload:
         if w.kind == "trace":
             return [("trace", self._trace())]
         out = [(name, gen) for i, pool in enumerate(w.default_pools())
-               for name, gen in self._pool_sources(pool, pool.stream or str(i), 0.0, None)]
+               for name, gen in self._pool_sources(pool, pool_stream(pool.stream, i), 0.0, None)]
         start = 0.0
         for p, phase in enumerate(w.phases):
             end = start + (phase.duration_s or 0.0)
             for j, pool in enumerate(phase.pools):
-                out += self._pool_sources(pool, pool.stream or f"{p}.{j}", start, end)
+                out += self._pool_sources(pool, pool_stream(pool.stream, j, p), start, end)
             start = end
         return out
 
