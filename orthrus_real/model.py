@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from orthrus_real.attention import AttentionMetadata, paged_attention
+from orthrus_real.cpu_gemm import PLAIN, CpuGemm
 from orthrus_real.model_files import DecoderConfig, LoRAAdapter
 from orthrus_real.paged_attention import PagedMetadata, inplace_attention
 
@@ -40,23 +41,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-NARROW_ROWS = 256  # up to this many rows, a wide fp32 projection on a CPU is split ...
-SPLIT_COLS = 1024  # ... into column blocks of this many outputs
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; on a CPU in fp32 with few rows (decodes) and a wide weight (the fused
-    gate/up projection, the LM head), one matmul per block of 1024 output columns: MKL's fp32
-    GEMM at 64 rows took 12.3 ms for the 4096-wide gate/up of the `small` model on an AVX2 CPU
-    against 2 x 2.9 ms for its halves, and 76 against 49 ms for the 32000-wide LM head."""
-    if (x.dtype != torch.float32 or x.is_cuda or x.shape[0] > NARROW_ROWS
-            or w.shape[0] < 2 * SPLIT_COLS):
-        return F.linear(x, w, b)
-    parts = [F.linear(x, part) for part in w.split(SPLIT_COLS)]
-    out = torch.cat(parts, -1)
-    return out if b is None else out + b
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalised in fp32 (as Hugging Face does), scaled in the model dtype."""
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
@@ -66,9 +50,11 @@ class Decoder:
     """Weights plus a forward pass; ``forward`` returns final-norm hidden states (T, d)."""
 
     def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 adapter: LoRAAdapter | None = None) -> None:
+                 adapter: LoRAAdapter | None = None, gemm: CpuGemm = PLAIN) -> None:
+        """``gemm``: which library multiplies fp32 projections on a CPU (``cpu_gemm.py``)."""
         self.cfg = cfg
         self.device = device
+        self.linear = gemm.linear
         dtype = cfg.dtype
 
         def take(name: str) -> torch.Tensor:
@@ -161,7 +147,7 @@ class Decoder:
         t = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer["in_norm"], cfg.rms_norm_eps)
-            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = self.linear(x, layer["qkv"], layer["qkv_bias"])
             self._lora(x, qkv, i, ("q_proj", "k_proj", "v_proj"), lora_rows)
             q = qkv[:, :self.q_width].view(t, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_width:self.q_width + self.kv_width].view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -169,19 +155,19 @@ class Decoder:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = attend(q, k, v, caches[i], meta, self.scale, i)
             attn = attn.reshape(t, self.q_width)
-            o = F.linear(attn, layer["o"])
+            o = self.linear(attn, layer["o"])
             self._lora(attn, o, i, ("o_proj",), lora_rows)
             h = h + o
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
-            gu = linear(x, layer["gate_up"])
+            gu = self.linear(x, layer["gate_up"])
             self._lora(x, gu, i, ("gate_proj", "up_proj"), lora_rows)
             inter = cfg.intermediate_size
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            down = F.linear(act, layer["down"])
+            down = self.linear(act, layer["down"])
             self._lora(act, down, i, ("down_proj",), lora_rows)
             h = h + down
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()

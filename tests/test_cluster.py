@@ -413,21 +413,23 @@ def test_the_predicting_rules_route_over_real_replicas(tiny_models):
 
 
 def test_each_replica_is_given_the_engine_hot_path_options(tiny_models):
-    """serve --replicas N --attention paged --no-cuda-graphs: every replica's engine runs them
-    (not the defaults)."""
+    """serve --replicas N --attention paged --no-cuda-graphs --cpu-gemm onednn: every replica's
+    engine runs them (not the defaults)."""
     from orthrus_real.cluster.replicas import ServeOptions, child_command
 
     sc = parse_scenario({"name": "t", "num_requests": 1, "model": str(tiny_models["llama"]),
                          "cluster": {"gpus": 2}, "configurations": ["orthrus"]})
     specs = plan_replicas(sc, "orthrus", [Device("cpu")] * 2, 1, None)
     opts = ServeOptions(str(tiny_models["llama"]), attention="paged", cuda_graphs=False,
-                        static_step=True)
+                        static_step=True, cpu_gemm="onednn")
     for spec in specs:
         cmd = child_command(spec, opts, 9999)
         assert cmd[cmd.index("--attention") + 1] == "paged"
+        assert cmd[cmd.index("--cpu-gemm") + 1] == "onednn"
         assert "--no-cuda-graphs" in cmd and "--static-step" in cmd
     plain = child_command(specs[0], ServeOptions(str(tiny_models["llama"])), 9999)
     assert "--attention" not in plain and not any("graphs" in c or "static" in c for c in plain)
+    assert "--cpu-gemm" not in plain
 
 
 def test_adaptive_placement_packs_generations_over_real_replicas(tiny_models):

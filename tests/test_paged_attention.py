@@ -234,7 +234,7 @@ def test_cpu_fp32_shortcuts_equal_the_plain_ops():
     # contexts, padding masked) and the column-split projection for few rows give what the
     # plain operations give
     from orthrus_real.attention import _decodes, _decodes_fp32_cpu
-    from orthrus_real.model import NARROW_ROWS, SPLIT_COLS, linear
+    from orthrus_real.cpu_gemm import NARROW_ROWS, SPLIT_COLS, mkl_linear, onednn_linear
 
     gen = torch.Generator().manual_seed(3)
     for kvh, g in ((4, 3), (2, 1), (1, 6)):
@@ -249,8 +249,15 @@ def test_cpu_fp32_shortcuts_equal_the_plain_ops():
     b = torch.randn(w.shape[0], generator=gen)
     for rows in (1, NARROW_ROWS, NARROW_ROWS + 1):
         x = torch.randn(rows, 24, generator=gen)
-        torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b),
-                                   atol=1e-5, rtol=1e-5)
+        for linear in (mkl_linear, onednn_linear):
+            torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b),
+                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w),
+                                       atol=1e-5, rtol=1e-5)
+    strided = torch.randn(7, 48, generator=gen)[:, ::2]  # a view, as a fused output's slice is
+    torch.testing.assert_close(onednn_linear(strided, w), torch.nn.functional.linear(strided, w),
+                               atol=1e-5, rtol=1e-5)
+    assert onednn_linear(torch.zeros(0, 24), w).shape == (0, w.shape[0])
 
 
 def test_the_cpu_engine_keeps_large_buffers_in_the_heap(tiny_models, monkeypatch):

@@ -56,7 +56,7 @@ class EngineServer:
             opts.dtype, opts.pooling, spec.threads, opts.backend, opts.api_key,
             opts.max_inputs_per_request, calibration=calibration,
             engine_options={"attention": opts.attention, "cuda_graphs": opts.cuda_graphs,
-                            "static_step": opts.static_step})
+                            "static_step": opts.static_step, "cpu_gemm": opts.cpu_gemm})
         host = ray.util.get_node_ip_address()
         sock = bind_socket(host, 0)
         self.url = f"http://{host}:{sock.getsockname()[1]}"

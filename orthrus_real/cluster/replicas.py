@@ -111,6 +111,7 @@ class ServeOptions:
     attention: str | None = None  # the engine's hot path (serve --attention, ...): as given
     cuda_graphs: bool | None = None
     static_step: bool | None = None
+    cpu_gemm: str | None = None
 
 
 def child_command(spec: ReplicaSpec, opts: ServeOptions, port: int) -> list[str]:
@@ -135,6 +136,8 @@ def child_command(spec: ReplicaSpec, opts: ServeOptions, port: int) -> list[str]
         cmd += ["--calibration", opts.calibration]
     if opts.attention:
         cmd += ["--attention", opts.attention]
+    if opts.cpu_gemm:
+        cmd += ["--cpu-gemm", opts.cpu_gemm]
     for flag, value in (("cuda-graphs", opts.cuda_graphs), ("static-step", opts.static_step)):
         if value is not None:
             cmd.append(f"--{flag}" if value else f"--no-{flag}")

@@ -45,7 +45,7 @@ def cluster_from_cli(o: dict, chunk: int | str | None):
                         model_limit_given=o["max_model_len"] is not None,
                         log_level=o["log_level"], api_key=o["api_key"],
                         attention=o["attention"], cuda_graphs=o["cuda_graphs"],
-                        static_step=o["static_step"])
+                        static_step=o["static_step"], cpu_gemm=o["cpu_gemm"])
     adapter = o["embedding_adapter"]
     args = ClusterArgs(o["replicas"], o["configuration"], o["devices"] or o["device"], o["router"],
                        o["threads"], str(adapter) if adapter else None, o["auto_restart"])

@@ -1,0 +1,92 @@
+"""The library of the engine's fp32 projections on a CPU (orthrus_real/cpu_gemm.py): the
+setting, the once-per-process probe, the routing by rows, and the engine's output either way."""
+
+import pytest
+import torch
+
+from orthrus_real import cpu_gemm
+from orthrus_real.cpu_gemm import NARROW_ROWS, CpuGemm, choose_cpu_gemm
+from orthrus_real.engine import Engine
+from orthrus_real.sampling import SamplingParams
+
+
+def test_a_named_library_is_taken_as_asked_and_a_wrong_name_is_named(monkeypatch):
+    monkeypatch.delenv("ORTHRUS_CPU_GEMM", raising=False)
+    assert choose_cpu_gemm("mkl", 64, 256) == CpuGemm("mkl", "mkl", "as asked")
+    assert choose_cpu_gemm("onednn", 64, 256) == CpuGemm("onednn", "onednn", "as asked")
+    with pytest.raises(ValueError, match="--cpu-gemm must be one of auto, mkl, onednn, got 'blas'"):
+        choose_cpu_gemm("blas", 64, 256)
+    monkeypatch.setenv("ORTHRUS_CPU_GEMM", "mkl")
+    assert choose_cpu_gemm(None, 64, 256).few == "mkl"
+    assert choose_cpu_gemm("onednn", 64, 256).few == "onednn"  # the option over the variable
+    monkeypatch.setenv("ORTHRUS_CPU_GEMM", "fast")
+    with pytest.raises(ValueError, match="ORTHRUS_CPU_GEMM must be one of auto, mkl, onednn"):
+        choose_cpu_gemm(None, 64, 256)
+
+
+def test_auto_measures_once_per_shape_and_takes_onednn_only_past_the_margin(monkeypatch):
+    monkeypatch.delenv("ORTHRUS_CPU_GEMM", raising=False)
+    monkeypatch.setattr(cpu_gemm, "_probed", {})
+    calls = []
+
+    def fake_probe(k, n):
+        calls.append((k, n))
+        return "onednn", "mkl", "measured: fake"
+
+    monkeypatch.setattr(cpu_gemm, "probe", fake_probe)
+    first = choose_cpu_gemm("auto", 64, 256)
+    again = choose_cpu_gemm(None, 100, 300)  # a tiny model's shape: probed at the floor size
+    assert calls == [(512, 2048)] and first == again == CpuGemm("onednn", "mkl", "measured: fake")
+    choose_cpu_gemm("auto", 8192, 65536)  # a large one: capped so that the probe stays short
+    assert calls[-1] == (4096, 4096)
+
+
+def test_the_probe_picks_by_the_margin(monkeypatch):
+    # times fed to the probe: oneDNN 10 % faster for few rows, 2 % for many
+    clock = iter([0.0, 1.0, 1.0, 1.9] * 5 + [0.0, 1.0, 1.0, 1.98] * 5)
+
+    def timed(_x, _w):
+        return None
+
+    monkeypatch.setattr(cpu_gemm, "LIBRARIES", {"mkl": timed, "onednn": timed})
+    monkeypatch.setattr(cpu_gemm.time, "perf_counter", lambda: next(clock))
+    few, many, why = cpu_gemm.probe(16, 32)
+    assert (few, many) == ("onednn", "mkl")
+    assert "64x16x32: mkl 1000.00 ms, onednn 900.00 ms" in why
+
+
+def test_projections_route_by_rows_and_dtype(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cpu_gemm, "LIBRARIES", {
+        "mkl": lambda x, w, b=None: seen.append(("mkl", x.shape[0])) or x @ w.t(),
+        "onednn": lambda x, w, b=None: seen.append(("onednn", x.shape[0])) or x @ w.t()})
+    gemm = CpuGemm("onednn", "mkl", "test")
+    w = torch.randn(8, 4)
+    gemm.linear(torch.randn(NARROW_ROWS, 4), w)
+    gemm.linear(torch.randn(NARROW_ROWS + 1, 4), w)
+    gemm.linear(torch.randn(3, 4, dtype=torch.bfloat16), w.bfloat16())  # bf16: F.linear
+    assert seen == [("onednn", NARROW_ROWS), ("mkl", NARROW_ROWS + 1)]
+    assert "onednn for <= 256 rows, mkl above (test)" in gemm.describe()
+
+
+def test_the_engine_gives_the_same_tokens_and_embeddings_with_either_library(tiny_models):
+    outputs = {}
+    for library in ("mkl", "onednn"):
+        eng = Engine(tiny_models["llama"], device="cpu", dtype="float32", cpu_gemm=library)
+        assert eng.describe()["cpu_gemm"].startswith(f"fp32 projections: {library} for")
+        for i in range(3):
+            eng.add_generation(f"g{i}", token_ids=list(range(5 + i, 40 + 3 * i)),
+                               params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            eng.add_embedding(f"e{i}", token_ids=list(range(7, 60 + 20 * i)), pooling="mean")
+        outputs[library] = eng.run_until_idle()
+    mkl, onednn = outputs["mkl"], outputs["onednn"]
+    for i in range(3):
+        assert mkl[f"g{i}"].token_ids == onednn[f"g{i}"].token_ids
+        torch.testing.assert_close(torch.tensor(onednn[f"e{i}"].embedding),
+                                   torch.tensor(mkl[f"e{i}"].embedding), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="--cpu-gemm must be one of"):
+        Engine(tiny_models["llama"], device="cpu", cpu_gemm="openblas")
+    with pytest.raises(ValueError, match="--cpu-gemm must be one of"):  # bf16: named all the same
+        Engine(tiny_models["llama"], device="cpu", dtype="bfloat16", cpu_gemm="openblas")
+    bf16 = Engine(tiny_models["llama"], device="cpu", dtype="bfloat16", cpu_gemm="onednn")
+    assert bf16.gemm is None and "cpu_gemm" not in bf16.describe()  # F.linear, as before
