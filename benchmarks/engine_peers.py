@@ -16,7 +16,7 @@ transformers runs in the engine's dtype on the engine's device (fp32 on a CPU wi
 ``--also-gathered`` adds the engine with its decode contexts gathered at every step (on a CPU
 they are kept between steps by default), alternated with the rest; ``--cpu-gemm`` chooses the
 library of the engine's fp32 projections on a CPU (default auto: ``orthrus_real/cpu_gemm.py``),
-and ``--also-mkl`` adds the engine with MKL's (PyTorch's own fp32 path), alternated; the run ends
+and ``--also-mkl`` adds the engine with MKL's (its path before the choice), alternated; the run ends
 with one decode step (64 streams at context 128) under each attention path
 (``benchmarks/decode_step.py``), unless ``--no-paths``.
 Run: python benchmarks/engine_peers.py [--repeats 3] [--model DIR] [--device cpu|cuda]
@@ -85,7 +85,7 @@ def main() -> None:
                         "a CPU), alternated in the same run")
     parser.add_argument("--cpu-gemm", default=None, help="auto | mkl | onednn (fp32 on a CPU)")
     parser.add_argument("--also-mkl", action="store_true", help="also the engine with MKL's fp32 "
-                        "projections (PyTorch's own path), alternated in the same run")
+                        "projections (its path before --cpu-gemm), alternated in the same run")
     parser.add_argument("--hf-batches", default="16,64",
                         help="batch sizes of transformers generate (comma-separated)")
     args = parser.parse_args()

@@ -85,6 +85,9 @@ def engine_environment(engine, backend: str) -> dict:
         version = f"vllm {vllm.__version__}"
     else:
         version = f"torch {torch.__version__}"
+        gemm = getattr(engine, "gemm", None)
+        if gemm is not None:  # which library ran the fp32 projections (cpu_gemm.py)
+            version += f", fp32 projections {gemm.few}/{gemm.many}"
     return {**this_machine(gpu), "dtype": str(engine.cfg.dtype).removeprefix("torch."),
             "engine": backend, "engine_version": version, "threads": torch.get_num_threads()}
 

@@ -21,7 +21,7 @@ from orthrus_real import paged_attention
 from orthrus_real.attention import KeptContexts, build_metadata
 from orthrus_real.cpu_gemm import PLAIN, check_setting, choose_cpu_gemm
 from orthrus_real.device import choose_device, choose_dtype, keep_large_cpu_buffers
-from orthrus_real.engine_base import EngineBase, RequestOutput, RequestRejected, _State
+from orthrus_real.engine_base import EngineBase, RequestOutput, RequestRejected, _State, log
 from orthrus_real.model import Decoder
 from orthrus_real.model_files import read_adapter, read_weights
 from orthrus_real.sampling import sample
@@ -60,9 +60,13 @@ class Engine(EngineBase):
         if adapter is not None:
             self.adapter_name, self.adapter_rank = adapter.name, adapter.rank
         check_setting(cpu_gemm)  # named even where it does not apply (bf16, CUDA)
+        check_setting(os.environ.get("ORTHRUS_CPU_GEMM") or None, "ORTHRUS_CPU_GEMM")
         self.gemm = None  # bf16 or CUDA: PyTorch's own F.linear
         if self.device.type == "cpu" and cfg.dtype == torch.float32:
             self.gemm = choose_cpu_gemm(cpu_gemm, cfg.hidden_size, 2 * cfg.intermediate_size)
+        elif cpu_gemm not in (None, "auto"):
+            log.info("--cpu-gemm %s: not used (it chooses fp32 projections on a CPU; this engine "
+                     "runs %s on %s)", cpu_gemm, str(cfg.dtype).removeprefix("torch."), self.device)
         self.model = Decoder(cfg, read_weights(model_dir), self.device, adapter,
                              self.gemm or PLAIN)
         if adapter is not None and policy == "embedding-only":

@@ -155,7 +155,7 @@ class Decoder:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = attend(q, k, v, caches[i], meta, self.scale, i)
             attn = attn.reshape(t, self.q_width)
-            o = self.linear(attn, layer["o"])
+            o = self.linear(attn, layer["o"], split=False)
             self._lora(attn, o, i, ("o_proj",), lora_rows)
             h = h + o
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
@@ -163,7 +163,7 @@ class Decoder:
             self._lora(x, gu, i, ("gate_proj", "up_proj"), lora_rows)
             inter = cfg.intermediate_size
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            down = self.linear(act, layer["down"])
+            down = self.linear(act, layer["down"], split=False)
             self._lora(act, down, i, ("down_proj",), lora_rows)
             h = h + down
         return rms_norm(h, self.norm, cfg.rms_norm_eps)

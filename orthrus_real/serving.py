@@ -97,7 +97,7 @@ def build(model: str, adapter: str | None = None, policy: str = "ibs", scheduler
           body_timeout: float = 30.0, calibration: str | None = None,
           engine_options: dict | None = None):
     """Engine thread, metrics and app; the engine is ready when this returns.
-    ``engine_options``: the PyTorch engine's attention and static-step settings."""
+    ``engine_options``: the PyTorch engine's attention, static-step and CPU GEMM settings."""
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the option (and "
                          "ORTHRUS_API_KEY) unset to serve without authentication")

@@ -24,7 +24,7 @@ def test_a_named_library_is_taken_as_asked_and_a_wrong_name_is_named(monkeypatch
         choose_cpu_gemm(None, 64, 256)
 
 
-def test_auto_measures_once_per_shape_and_takes_onednn_only_past_the_margin(monkeypatch):
+def test_auto_measures_once_per_shape_and_thread_count(monkeypatch):
     monkeypatch.delenv("ORTHRUS_CPU_GEMM", raising=False)
     monkeypatch.setattr(cpu_gemm, "_probed", {})
     calls = []
@@ -39,27 +39,34 @@ def test_auto_measures_once_per_shape_and_takes_onednn_only_past_the_margin(monk
     assert calls == [(512, 2048)] and first == again == CpuGemm("onednn", "mkl", "measured: fake")
     choose_cpu_gemm("auto", 8192, 65536)  # a large one: capped so that the probe stays short
     assert calls[-1] == (4096, 4096)
+    threads = torch.get_num_threads()
+    try:  # another thread count is another measurement (what a GEMM costs depends on it)
+        torch.set_num_threads(1 if threads > 1 else 2)
+        choose_cpu_gemm("auto", 64, 256)
+        assert len(calls) == 3 and calls[-1] == (512, 2048)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def test_the_probe_picks_by_the_margin(monkeypatch):
-    # times fed to the probe: oneDNN 10 % faster for few rows, 2 % for many
-    clock = iter([0.0, 1.0, 1.0, 1.9] * 5 + [0.0, 1.0, 1.0, 1.98] * 5)
+def test_the_probe_takes_onednn_only_past_the_margin(monkeypatch):
+    # times fed to the probe: oneDNN 10 % faster for few rows, 2 % for many (under the margin)
+    ticks = iter([0.0, 1.0, 1.0, 1.9] * 5 + [0.0, 1.0, 1.0, 1.98] * 5)
 
     def timed(_x, _w):
         return None
 
     monkeypatch.setattr(cpu_gemm, "LIBRARIES", {"mkl": timed, "onednn": timed})
-    monkeypatch.setattr(cpu_gemm.time, "perf_counter", lambda: next(clock))
-    few, many, why = cpu_gemm.probe(16, 32)
+    few, many, why = cpu_gemm.probe(16, 32, clock=lambda: next(ticks))
     assert (few, many) == ("onednn", "mkl")
     assert "64x16x32: mkl 1000.00 ms, onednn 900.00 ms" in why
+    assert "512x16x32: mkl 1000.00 ms, onednn 980.00 ms" in why
 
 
 def test_projections_route_by_rows_and_dtype(monkeypatch):
     seen = []
     monkeypatch.setattr(cpu_gemm, "LIBRARIES", {
-        "mkl": lambda x, w, b=None: seen.append(("mkl", x.shape[0])) or x @ w.t(),
-        "onednn": lambda x, w, b=None: seen.append(("onednn", x.shape[0])) or x @ w.t()})
+        "mkl": lambda x, w, b=None, split=True: seen.append(("mkl", x.shape[0])) or x @ w.t(),
+        "onednn": lambda x, w, b=None, split=True: seen.append(("onednn", x.shape[0])) or x @ w.t()})
     gemm = CpuGemm("onednn", "mkl", "test")
     w = torch.randn(8, 4)
     gemm.linear(torch.randn(NARROW_ROWS, 4), w)
@@ -67,6 +74,48 @@ def test_projections_route_by_rows_and_dtype(monkeypatch):
     gemm.linear(torch.randn(3, 4, dtype=torch.bfloat16), w.bfloat16())  # bf16: F.linear
     assert seen == [("onednn", NARROW_ROWS), ("mkl", NARROW_ROWS + 1)]
     assert "onednn for <= 256 rows, mkl above (test)" in gemm.describe()
+
+
+def test_mkl_splits_only_where_asked(monkeypatch):
+    # MKL's column split (few rows, a wide weight) is for the projections it was measured on;
+    # O and down pass split=False and get one plain F.linear, as before this choice existed
+    calls = []
+    w = torch.randn(2 * cpu_gemm.SPLIT_COLS, 8)
+    x = torch.randn(4, 8)
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    cpu_gemm.mkl_linear(x, w)
+    assert calls == [cpu_gemm.SPLIT_COLS, cpu_gemm.SPLIT_COLS]
+    calls.clear()
+    cpu_gemm.mkl_linear(x, w, split=False)
+    assert calls == [2 * cpu_gemm.SPLIT_COLS]
+
+
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_every_projection_of_the_engine_goes_through_the_chosen_library(tiny_models, monkeypatch,
+                                                                        library):
+    # 4 projections a layer (QKV, O, gate/up, down) per forward pass, plus the LM head on the
+    # rows that sample; the qwen2 model's QKV bias goes along
+    calls = {"mkl": 0, "onednn": 0}
+
+    def counted(name):
+        real = cpu_gemm.LIBRARIES[name]
+
+        def run(x, w, b=None, split=True):
+            calls[name] += 1
+            return real(x, w, b, split)
+        return run
+
+    eng = Engine(tiny_models["qwen2"], device="cpu", dtype="float32", cpu_gemm=library)
+    monkeypatch.setattr(cpu_gemm, "LIBRARIES", {n: counted(n) for n in ("mkl", "onednn")})
+    eng.add_generation("g", token_ids=list(range(5, 30)),
+                       params=SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    eng.run_until_idle()
+    other = "onednn" if library == "mkl" else "mkl"
+    layers = eng.cfg.num_layers
+    assert calls[other] == 0
+    assert calls[library] == eng.iterations * (4 * layers + 1)
 
 
 def test_the_engine_gives_the_same_tokens_and_embeddings_with_either_library(tiny_models):
@@ -90,3 +139,18 @@ def test_the_engine_gives_the_same_tokens_and_embeddings_with_either_library(tin
         Engine(tiny_models["llama"], device="cpu", dtype="bfloat16", cpu_gemm="openblas")
     bf16 = Engine(tiny_models["llama"], device="cpu", dtype="bfloat16", cpu_gemm="onednn")
     assert bf16.gemm is None and "cpu_gemm" not in bf16.describe()  # F.linear, as before
+
+
+def test_a_wrong_environment_setting_is_named_by_every_engine(tiny_models, monkeypatch):
+    monkeypatch.setenv("ORTHRUS_CPU_GEMM", "fastest")
+    for dtype in ("float32", "bfloat16"):
+        with pytest.raises(ValueError, match="ORTHRUS_CPU_GEMM must be one of auto, mkl, onednn"):
+            Engine(tiny_models["llama"], device="cpu", dtype=dtype)
+
+
+def test_a_calibration_records_the_library(tiny_models):
+    from orthrus_real.device import engine_environment
+
+    eng = Engine(tiny_models["llama"], device="cpu", dtype="float32", cpu_gemm="onednn")
+    assert engine_environment(eng, "torch")["engine_version"].endswith(
+        ", fp32 projections onednn/onednn")
