@@ -302,6 +302,19 @@ def histogram_summary(before: dict, after: dict, name: str, labels: str) -> dict
     return summarize(int(count), total / count, percentile)
 
 
+VLLM_STEPS = "vllm:iteration_tokens_total_count"  # vLLM observes it once per engine step
+
+
+def engine_steps(before: dict, after: dict) -> int:
+    """Forward passes over a window: an Orthrus engine's ``orthrus_iterations_total``, or, for
+    a server that has none (stock vLLM), the count of vLLM's tokens-per-step histogram, summed
+    over its engines (its own record of how many steps it ran; 0 if neither is exposed)."""
+    if "orthrus_iterations_total" in after:
+        return int(after["orthrus_iterations_total"] - before.get("orthrus_iterations_total", 0.0))
+    keys = [k for k in after if k.partition("{")[0] == VLLM_STEPS]
+    return int(sum(after[k] - before.get(k, 0.0) for k in keys))
+
+
 def engine_metrics(before: dict, after: dict, window_s: float, peak_flops: float | None) -> dict:
     """Utilisation, budget fill, iterations, preemptions and admission waits over a window;
     a cluster's (samples labelled ``replica``: ``orthrus-real serve --replicas``) summed over
@@ -324,7 +337,7 @@ def engine_metrics(before: dict, after: dict, window_s: float, peak_flops: float
         per_gpu.append({"replica": i, "role": roles.get(i, "unified"),
                         "busy": delta("orthrus_busy_seconds_total", a, b) / span,
                         "mfu": flops / (peak_flops * span) if peak_flops and flops else None,
-                        "iterations": int(delta("orthrus_iterations_total", a, b)),
+                        "iterations": engine_steps(b, a),
                         "preemptions": {k: int(delta(f'orthrus_preemptions_total{{kind="{k}"}}', a, b))
                                         for k in ("embedding", "generation")}})
     n = max(len(per_gpu), 1)
@@ -336,7 +349,7 @@ def engine_metrics(before: dict, after: dict, window_s: float, peak_flops: float
         "utilization": {"busy": busy, "idle_gpu_s": span * (n - sum(g["busy"] for g in per_gpu)),
                         "mfu": sum(mfus) / n if mfus else None, "mbu": None, "per_gpu": per_gpu},
         "budget_fill": delta("orthrus_budget_fill_sum") / max(delta("orthrus_budget_fill_count"), 1),
-        "iterations": int(delta("orthrus_iterations_total")),
+        "iterations": engine_steps(before, after),
         "preemptions": preemptions,
         "admission_wait_s": {k: histogram_summary(before, after, "orthrus_admission_wait_seconds",
                                                   f'kind="{k}"') for k in ("embedding", "generation")},

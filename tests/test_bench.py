@@ -215,3 +215,25 @@ def test_served_replicas_reads_any_servers_health(body, expected):
             return await served_replicas(client)
 
     assert asyncio.run(go()) == expected
+
+
+def test_a_stock_vllm_servers_engine_steps_come_from_its_own_histogram():
+    # stock vLLM exposes no orthrus_iterations_total, but observes vllm:iteration_tokens_total
+    # once per engine step: its count over the window is the steps the server ran
+    from orthrus_real.bench import engine_metrics, engine_steps, parse_prometheus
+
+    def text(steps: int, tokens: int, extra: str = "") -> str:
+        return (f'vllm:iteration_tokens_total_bucket{{engine="0",le="+Inf",model_name="m"}} {steps}\n'
+                f'vllm:iteration_tokens_total_count{{engine="0",model_name="m"}} {steps}\n'
+                f'vllm:iteration_tokens_total_sum{{engine="0",model_name="m"}} {tokens}\n' + extra)
+
+    before, after = parse_prometheus(text(40, 900)), parse_prometheus(text(290, 4400))
+    assert engine_steps(before, after) == 250
+    measured = engine_metrics(before, after, 10.0, None)
+    assert measured["iterations"] == 250
+    assert measured["utilization"]["per_gpu"][0]["iterations"] == 250
+    # an Orthrus engine's own counter is the one taken where both are exposed
+    before = parse_prometheus(text(40, 900, "orthrus_iterations_total 7\n"))
+    after = parse_prometheus(text(290, 4400, "orthrus_iterations_total 107\n"))
+    assert engine_steps(before, after) == 100
+    assert engine_steps({}, {}) == 0  # a server that exposes neither
