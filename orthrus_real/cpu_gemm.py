@@ -81,7 +81,7 @@ class CpuGemm:
 
 # the engine before this choice: MKL, wide weights split for few rows; bf16 and CUDA: F.linear
 PLAIN = CpuGemm("mkl", "mkl", "the engine's MKL path")
-_probed: dict[tuple, tuple[str, str, str]] = {}
+_probed: dict[tuple, CpuGemm] = {}
 
 
 def onednn_available() -> bool:
@@ -95,15 +95,22 @@ def check_setting(setting: str | None, name: str = "--cpu-gemm") -> None:
         raise ValueError(f"{name} must be one of {', '.join(CPU_GEMMS)}, got {setting!r}")
 
 
-def choose_cpu_gemm(setting: str | None, hidden: int, width: int) -> CpuGemm:
-    """``setting`` (auto, mkl, onednn; default: ``ORTHRUS_CPU_GEMM`` or auto) for an fp32
-    engine on a CPU whose gate/up projection maps ``hidden`` inputs to ``width`` outputs. Each
-    process measures for itself (on its own CPUs and threads); replicas or a calibration that
-    must agree with a server are given the same ``--cpu-gemm`` or ``ORTHRUS_CPU_GEMM``."""
-    check_setting(setting)
-    if not setting:
-        setting = os.environ.get("ORTHRUS_CPU_GEMM") or "auto"
-        check_setting(setting, "ORTHRUS_CPU_GEMM")
+def resolve_setting(option: str | None) -> str:
+    """The setting asked for: ``option`` (``--cpu-gemm``), else ``ORTHRUS_CPU_GEMM``, else
+    auto; whichever is given is checked, and an error names it."""
+    check_setting(option)
+    if option:
+        return option
+    setting = os.environ.get("ORTHRUS_CPU_GEMM") or "auto"
+    check_setting(setting, "ORTHRUS_CPU_GEMM")
+    return setting
+
+
+def choose_cpu_gemm(setting: str, hidden: int, width: int) -> CpuGemm:
+    """``setting`` (auto, mkl, onednn: ``resolve_setting``'s) for an fp32 engine on a CPU whose
+    gate/up projection maps ``hidden`` inputs to ``width`` outputs. Each process measures for
+    itself (on its own CPUs and threads); replicas or a calibration that must agree with a
+    server are given the same ``--cpu-gemm`` or ``ORTHRUS_CPU_GEMM``."""
     if setting != "auto":
         if setting == "onednn" and not onednn_available():
             raise ValueError("--cpu-gemm onednn: this torch build has no oneDNN (mkldnn)")
@@ -116,10 +123,9 @@ def choose_cpu_gemm(setting: str | None, hidden: int, width: int) -> CpuGemm:
     k, n = min(max(hidden, 512), 4096), min(max(width, 2048), 4096)
     key = (k, n, torch.get_num_threads())
     if key not in _probed:
-        _probed[key] = probe(k, n)
-        log.info("CPU fp32 GEMM: %s", _probed[key][2])
-    few, many, why = _probed[key]
-    return CpuGemm(few, many, why)
+        _probed[key] = CpuGemm(*probe(k, n))
+        log.info("CPU fp32 GEMM: %s", _probed[key].why)
+    return _probed[key]
 
 
 def probe(k: int, n: int, clock: Callable[[], float] = time.perf_counter) -> tuple[str, str, str]:

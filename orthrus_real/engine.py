@@ -19,7 +19,7 @@ import torch
 
 from orthrus_real import paged_attention
 from orthrus_real.attention import KeptContexts, build_metadata
-from orthrus_real.cpu_gemm import PLAIN, check_setting, choose_cpu_gemm
+from orthrus_real.cpu_gemm import PLAIN, choose_cpu_gemm, resolve_setting
 from orthrus_real.device import choose_device, choose_dtype, keep_large_cpu_buffers
 from orthrus_real.engine_base import EngineBase, RequestOutput, RequestRejected, _State, log
 from orthrus_real.model import Decoder
@@ -59,11 +59,10 @@ class Engine(EngineBase):
         adapter = read_adapter(adapter_dir, cfg.num_layers) if adapter_dir else None
         if adapter is not None:
             self.adapter_name, self.adapter_rank = adapter.name, adapter.rank
-        check_setting(cpu_gemm)  # named even where it does not apply (bf16, CUDA)
-        check_setting(os.environ.get("ORTHRUS_CPU_GEMM") or None, "ORTHRUS_CPU_GEMM")
+        setting = resolve_setting(cpu_gemm)  # named even where it does not apply (bf16, CUDA)
         self.gemm = None  # bf16 or CUDA: PyTorch's own F.linear
         if self.device.type == "cpu" and cfg.dtype == torch.float32:
-            self.gemm = choose_cpu_gemm(cpu_gemm, cfg.hidden_size, 2 * cfg.intermediate_size)
+            self.gemm = choose_cpu_gemm(setting, cfg.hidden_size, 2 * cfg.intermediate_size)
         elif cpu_gemm not in (None, "auto"):
             log.info("--cpu-gemm %s: not used (it chooses fp32 projections on a CPU; this engine "
                      "runs %s on %s)", cpu_gemm, str(cfg.dtype).removeprefix("torch."), self.device)

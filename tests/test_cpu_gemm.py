@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from orthrus_real import cpu_gemm
-from orthrus_real.cpu_gemm import NARROW_ROWS, CpuGemm, choose_cpu_gemm
+from orthrus_real.cpu_gemm import NARROW_ROWS, CpuGemm, choose_cpu_gemm, resolve_setting
 from orthrus_real.engine import Engine
 from orthrus_real.sampling import SamplingParams
 
@@ -15,13 +15,14 @@ def test_a_named_library_is_taken_as_asked_and_a_wrong_name_is_named(monkeypatch
     assert choose_cpu_gemm("mkl", 64, 256) == CpuGemm("mkl", "mkl", "as asked")
     assert choose_cpu_gemm("onednn", 64, 256) == CpuGemm("onednn", "onednn", "as asked")
     with pytest.raises(ValueError, match="--cpu-gemm must be one of auto, mkl, onednn, got 'blas'"):
-        choose_cpu_gemm("blas", 64, 256)
+        resolve_setting("blas")
+    assert resolve_setting(None) == "auto"
     monkeypatch.setenv("ORTHRUS_CPU_GEMM", "mkl")
-    assert choose_cpu_gemm(None, 64, 256).few == "mkl"
-    assert choose_cpu_gemm("onednn", 64, 256).few == "onednn"  # the option over the variable
+    assert choose_cpu_gemm(resolve_setting(None), 64, 256).few == "mkl"
+    assert resolve_setting("onednn") == "onednn"  # the option over the variable
     monkeypatch.setenv("ORTHRUS_CPU_GEMM", "fast")
     with pytest.raises(ValueError, match="ORTHRUS_CPU_GEMM must be one of auto, mkl, onednn"):
-        choose_cpu_gemm(None, 64, 256)
+        resolve_setting(None)
 
 
 def test_auto_measures_once_per_shape_and_thread_count(monkeypatch):
@@ -35,7 +36,7 @@ def test_auto_measures_once_per_shape_and_thread_count(monkeypatch):
 
     monkeypatch.setattr(cpu_gemm, "probe", fake_probe)
     first = choose_cpu_gemm("auto", 64, 256)
-    again = choose_cpu_gemm(None, 100, 300)  # a tiny model's shape: probed at the floor size
+    again = choose_cpu_gemm("auto", 100, 300)  # a tiny model's shape: probed at the floor size
     assert calls == [(512, 2048)] and first == again == CpuGemm("onednn", "mkl", "measured: fake")
     choose_cpu_gemm("auto", 8192, 65536)  # a large one: capped so that the probe stays short
     assert calls[-1] == (4096, 4096)
