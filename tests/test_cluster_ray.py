@@ -58,7 +58,11 @@ def test_ray_replica_killed_mid_stream_fails_its_request_and_ray_brings_it_back(
     assert error is None and chunks == asked  # the other replica's stream finished in full
     with httpx.Client(base_url=url, timeout=60) as c:
         r = c.post("/v1/completions", json=gen([5, 6], 3))
-        assert r.status_code == 200 and r.headers[REPLICA] == "2"  # the one up
+        # served by the replica up: the other one, or replica 1 only once Ray Serve has already
+        # brought it back in a new process (on a slow machine that can come first)
+        assert r.status_code == 200
+        if r.headers[REPLICA] == "1":
+            assert ray_cluster.health()["replicas"][1]["pid"] != victim["pid"]
         for _ in range(900):  # Ray Serve starts a new replica; the gateway routes to it again
             health = ray_cluster.health()
             if health["replicas"][1]["up"]:
