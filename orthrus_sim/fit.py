@@ -38,7 +38,7 @@ from orthrus_sim.costmodel.calibration import (
 )
 from orthrus_sim.costmodel.coefficients import Coefficients
 from orthrus_sim.costmodel.factors import CostFactors
-from orthrus_sim.experiment.measured import MeasuredRun
+from orthrus_sim.experiment.measured import ITERATION_RATE, MeasuredRun, iteration_rate
 from orthrus_sim.experiment.results import _get
 from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump
 from orthrus_sim.sweep import Point, run_local
@@ -155,6 +155,8 @@ class Evaluator:
 def _value(metrics: dict, path: str, kind: str | None) -> float | None:
     """A simulated metric; the busy share of one kind's server of a split is that of the
     replicas of that role."""
+    if path == ITERATION_RATE:
+        return iteration_rate(metrics, kind)
     if path == "utilization.busy" and kind is not None:
         rows = [g["busy"] for g in metrics["utilization"].get("per_gpu", []) if g["role"] == kind]
         if rows:

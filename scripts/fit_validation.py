@@ -71,9 +71,10 @@ TARGETS = {"throughput": 0.10, "p50": 0.20}
 COMPARED = [("throughput_rps.embedding", "throughput"), ("throughput_rps.generation", "throughput"),
             ("latency_s.embedding.p50", "p50"), ("latency_s.generation.p50", "p50"),
             ("latency_s.ttft.p50", "p50"), ("latency_s.tpot.p50", "p50")]
+# the engine's steps per second: stock vLLM's too (bench reads its step count), so the fit sees
+# the dedicated servers' mean iteration time, not only latencies that also carry the front end
 FIT_METRICS = ["throughput_rps.embedding", "throughput_rps.generation", "utilization.busy",
-               "latency_s.*.p50",
-               "latency_s.*.p95"]
+               "iterations_per_s", "latency_s.*.p50", "latency_s.*.p95"]
 START = "<!-- fit-validation: written by scripts/fit_validation.py -->"
 END = "<!-- /fit-validation -->"
 
@@ -107,9 +108,25 @@ def prior_calibration(args, console: Console) -> str:
     if args.engine_cpus:
         cmd += ["--cpus", args.engine_cpus]
     console.print(f"profiling the engine on CPUs {args.engine_cpus or 'all'} for the prior "
-                  f"calibration ({out}; about 13 minutes on 2 cores)")
+                  f"calibration ({out}; 13 minutes for the PyTorch engine on an AVX-512 "
+                  "core, 30 for the vLLM plug-in in fp32 on an AVX2 one)")
     subprocess.run(cmd, check=True, env=env)
     return str(out)
+
+
+def served_dtype(model: Path) -> str:
+    """The dtype every server of the run computes in: the one the project's engines choose on
+    this CPU (fp32 where it has no bf16 instructions). Stock vLLM is given it explicitly: its
+    ``--dtype auto`` downcasts an fp32 checkpoint to bf16 on a CPU, ~60x slower matmuls on one
+    without bf16 instructions, so its baselines would price another engine than the treatment."""
+    import torch
+
+    from orthrus_real.device import choose_dtype
+
+    config = json.loads((model / "config.json").read_text())
+    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    chosen, _ = choose_dtype(torch.device("cpu"), None, getattr(torch, name))
+    return str(chosen).removeprefix("torch.")
 
 
 def serve_command(args, port: int, role: str, scenario_file: Path | None = None,
@@ -126,7 +143,7 @@ def serve_command(args, port: int, role: str, scenario_file: Path | None = None,
         # its API server module is the same server
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(args.model), "--port", str(port), "--max-num-seqs", "256",
-               "--max-num-batched-tokens", "2048", "--max-model-len", "2048"]
+               "--max-num-batched-tokens", "2048", "--max-model-len", "2048", "--dtype", args.dtype]
         if role == "embedding":
             cmd += ["--runner", "pooling", "--convert", "embed",
                     "--pooler-config", json.dumps({"pooling_type": "MEAN", "use_activation": False})]
@@ -135,7 +152,7 @@ def serve_command(args, port: int, role: str, scenario_file: Path | None = None,
         return cmd, env
     cmd = [sys.executable, "-m", "orthrus_real.cli", "serve", "--model", str(args.model),
            "--port", str(port), "--kv-cache-tokens", str(KV_TOKENS), "--max-queued", "100000",
-           "--backend", args.backend]
+           "--backend", args.backend, "--dtype", args.dtype]
     if args.engine_cpus:
         cmd += ["--cpus", args.engine_cpus]
     if role == "embedding":
@@ -185,9 +202,22 @@ def measure(args, servers: list[tuple], console: Console, mix: str) -> list[dict
     return got
 
 
+def stored(servers: list[tuple]) -> list[dict]:
+    """What ``measure`` returned for ``servers`` in an earlier run, from their results.json."""
+    got = []
+    for _, _, label, out, _ in servers:
+        path = out / "results.json"
+        if not path.exists():
+            raise SystemExit(f"--refit: {path} is missing (measure this mix first)")
+        doc = json.loads(path.read_text())
+        got.append({"configuration": label, "metrics": mean_metrics(doc["runs"]),
+                    "spread": doc.get("repeats", {})})
+    return got
+
+
 def one_mix(args, mix: str, share: float, console: Console) -> dict:
     base = args.out / mix.replace(":", "-")
-    if base.exists():
+    if base.exists() and not args.refit:
         shutil.rmtree(base)
     raw = mix_raw(args.model, share, args.clients, args.duration, args.warmup, args.calibration)
     measured_files = []
@@ -203,7 +233,10 @@ def one_mix(args, mix: str, share: float, console: Console) -> dict:
                 for cfg in args.configurations]
 
     measured = None
-    if args.target_factor:  # the target's predictor is the fitted calibration: after the fit
+    if args.refit:  # the measurements of an earlier run, fitted again
+        got = stored(baselines + treatment_servers(treatment))
+        got, measured = got[:len(kinds)], got[len(kinds):]
+    elif args.target_factor:  # the target's predictor is the fitted calibration: after the fit
         got = measure(args, baselines, console, mix)
     else:
         # without a target the served policy never consults a calibration (its predictor
@@ -215,7 +248,7 @@ def one_mix(args, mix: str, share: float, console: Console) -> dict:
         spreads[f"dedicated {kind}"] = one["spread"]
         measured_files.append(base / f"dedicated-{kind}" / "results.json")
     console.print(f"mix {mix}: fitting on the baselines")
-    result = fit(parse_scenario(raw, "fit scenario"), load_measured(measured_files, FIT_METRICS),
+    result = fit(parse_scenario(raw, "fit scenario"), load_measured(measured_files, args.fit_metrics),
                  workers=args.workers)
     fitted = base / "fitted.json"
     save_calibration(result.calibration, fitted)
@@ -301,7 +334,7 @@ def completions(metrics: dict) -> dict:
 
 # what a stored run was measured with: ``--tables-only`` writes its tables with these
 RUN_ARGUMENTS = ("duration", "warmup", "clients", "repeat", "target_factor", "engine_cpus",
-                 "client_cpus", "min_completions", "calibration")
+                 "client_cpus", "min_completions", "calibration", "fit_metrics", "refit", "dtype")
 
 
 def _profiled_in_run(cal: str) -> bool:
@@ -334,6 +367,13 @@ def _prior_text(args) -> str:
     return f"`{Path(cal).name}` (made {loaded.created}{made})"
 
 
+def _fit_arguments(args) -> str:
+    """The fit's options where they are not the default (an earlier run's summary may lack them)."""
+    metrics = getattr(args, "fit_metrics", None) or FIT_METRICS
+    text = "" if list(metrics) == FIT_METRICS else f" --fit-metrics '{','.join(metrics)}'"
+    return text + (" --refit" if getattr(args, "refit", False) else "")
+
+
 def table_lines(results: list[dict], args, wall: float) -> list[str]:
     machine = this_machine()
     engine = ("the PyTorch engine (baselines and treatment)" if args.backend == "torch" else
@@ -343,10 +383,11 @@ def table_lines(results: list[dict], args, wall: float) -> list[str]:
         f"Generated by `python scripts/fit_validation.py --backend {args.backend} --duration "
         f"{args.duration:.0f} --warmup {args.warmup:.0f} --clients {args.clients} --repeat "
         f"{args.repeat} --target-factor {args.target_factor:g} --mixes "
-        f"{','.join(r['mix'] for r in results)}{_prior_argument(args)}` on "
+        f"{','.join(r['mix'] for r in results)}{_prior_argument(args)}{_fit_arguments(args)}` on "
         f"{datetime.date.today().isoformat()} "
         f"({wall:.0f} s), machine {machine['machine']} ({', '.join(machine['cpu_flags'])}), "
-        f"engine on CPUs {args.engine_cpus or 'all'}, client on {args.client_cpus or 'all'}; "
+        f"engine on CPUs {args.engine_cpus or 'all'}, client on {args.client_cpus or 'all'}, "
+        f"every server in {getattr(args, 'dtype', None) or 'its default dtype'}; "
         f"engine: {engine}; prior calibration: {_prior_text(args)}. For each mix the cost "
         "factors were fitted on the two dedicated "
         "servers alone, then Orthrus and the unified baselines were predicted and measured. "
@@ -500,6 +541,15 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--note", default=None, help="a caveat printed with the table")
     parser.add_argument("--tables-only", action="store_true", help="measure nothing: the tables "
                         "from OUT/summary-BACKEND.json of an earlier run")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="what "
+                        "every server computes in, stock vLLM's too (default: what the "
+                        "project's engines choose on this CPU)")
+    parser.add_argument("--fit-metrics", default=",".join(FIT_METRICS), help="the measured "
+                        "metrics the fit uses, comma-separated shell patterns "
+                        "(orthrus-sim fit --metrics)")
+    parser.add_argument("--refit", action="store_true", help="measure nothing: fit again on the "
+                        "servers' results.json an earlier run left in OUT (with this run's "
+                        "--fit-metrics, --calibration: the prior it used) and predict again")
     return parser
 
 
@@ -507,10 +557,17 @@ def main() -> None:
     args = arguments().parse_args()
     args.out = args.out.resolve()  # the scenarios it writes name files under it
     args.configurations = [c for c in args.configurations.split(",") if c]
+    args.fit_metrics = [m for m in args.fit_metrics.split(",") if m]
+    if args.refit and args.target_factor:
+        raise SystemExit("--refit with --target-factor: the treatment was served with the earlier "
+                         "run's fitted calibration, which a refit would not match")
+    if args.refit and not args.calibration:
+        raise SystemExit("--refit needs --calibration: the prior the earlier run fitted on")
     console = Console()
     if not (args.model / "config.json").exists():
         subprocess.run([sys.executable, "-m", "orthrus_real.cli", "init-model", str(args.model),
                         "--size", "small", "--adapter-rank", "16"], check=True)
+    args.dtype = args.dtype or served_dtype(args.model)
     parse_cpus(args.engine_cpus, "--engine-cpus")
     pin_process(parse_cpus(args.client_cpus, "--client-cpus"))
     summary = args.out / f"summary-{args.backend}.json"
@@ -522,12 +579,13 @@ def main() -> None:
     else:
         args.calibration = prior_calibration(args, console)
         started = time.time()
+        earlier = json.loads(summary.read_text()) if args.refit and summary.exists() else {}
         results = []
         for mix in args.mixes.split(","):
             if mix not in MIXES:
                 raise SystemExit(f"--mixes: unknown mix {mix!r}; known: {', '.join(MIXES)}")
             results.append(one_mix(args, mix, MIXES[mix], console))
-        wall = time.time() - started
+        wall = earlier.get("wall_s", time.time() - started)  # a refit: the measuring run's
         args.out.mkdir(parents=True, exist_ok=True)
         summary.write_text(json.dumps({"mixes": results, "wall_s": wall, "arguments": {
             name: getattr(args, name) for name in RUN_ARGUMENTS}}, indent=2) + "\n")

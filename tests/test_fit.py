@@ -96,6 +96,43 @@ def test_fit_recovers_a_simulated_ground_truth(tmp_path):
         measured["throughput_rps"]["embedding"], rel=0.05)
 
 
+def test_fit_recovers_the_decode_cost_from_a_generation_servers_steps(tmp_path):
+    """A saturated generation server's steps per second pin its iteration time: the decode
+    scale comes back from them alone (a bench of stock vLLM reports its steps, not its
+    per-iteration times)."""
+    raw = scenario_raw(with_factors(tmp_path, decode_scale=1.5))
+    truth = simulate(parse_scenario(raw), "dedicated-1:1").metrics
+    (row,) = [g for g in truth["utilization"]["per_gpu"] if g["role"] == "generation"]
+    one_server = {"throughput_rps": {"generation": truth["throughput_rps"]["generation"]},
+                  "iterations": row["iterations"], "window_s": truth["window_s"]}
+    path = tmp_path / "gen.json"
+    path.write_text(json.dumps({"runs": [{"configuration": "dedicated-1:1", "metrics": one_server}]}))
+    (run,) = load_measured([path], ["iterations_per_s"])
+    window = truth["window_s"][1] - truth["window_s"][0]
+    assert run.kind == "generation"  # from its throughput, though only its steps are fitted
+    assert run.metrics == {"iterations_per_s": pytest.approx(row["iterations"] / window)}
+    result = fit(parse_scenario(scenario_raw()), [run])
+    assert result.parameters["decode_scale"]["status"] == "fitted"
+    assert result.parameters["decode_scale"]["value"] == pytest.approx(1.5, rel=0.05)
+    # the embedding replica's steps are not the generation server's
+    assert result.parameters["embedding_scale"]["status"] == "undetermined"
+
+
+def test_steps_per_second_from_a_results_file_or_written_by_hand(tmp_path):
+    path = tmp_path / "m.json"
+    for metrics, rate in [({"iterations": 90, "window_s": [10.0, 40.0]}, 3.0),
+                          ({"iterations_per_s": 2.5}, 2.5),
+                          ({"iterations": 0, "window_s": [10.0, 40.0],  # no step count exposed
+                            "throughput_rps": {"generation": 1.0}}, None)]:
+        path.write_text(json.dumps({"runs": [{"configuration": "orthrus", "metrics": metrics}]}))
+        (run,) = load_measured([path])
+        assert run.metrics.get("iterations_per_s") == rate
+    path.write_text(json.dumps({"runs": [{"configuration": "orthrus", "metrics": {
+        "iterations": 9, "window_s": "the last 30 s"}}]}))
+    with pytest.raises(ValueError, match=r"metrics.window_s: expected \[start, end\]"):
+        load_measured([path])
+
+
 MINIMAL = """\
 # a published table's figures: one dedicated embedding server
 schema: orthrus.results/1
@@ -323,7 +360,7 @@ def test_fit_validation_measures_in_rounds(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fv, "serve_and_bench", fake_serve_and_bench)
     args = SimpleNamespace(repeat=2, duration=1.0, backend="torch", engine_cpus="", model=tmp_path,
-                           calibration=None)
+                           calibration=None, dtype="float32")
     raw = scenario_raw()
     servers = [("unified", raw, cfg, tmp_path / cfg, cfg) for cfg in ("orthrus", "unified-homo")]
     got = fv.measure(args, servers, Console(quiet=True), "5:5")
@@ -334,6 +371,30 @@ def test_fit_validation_measures_in_rounds(tmp_path, monkeypatch):
     assert [g["metrics"]["throughput_rps"]["embedding"] for g in got] == [2.0, 3.0]  # 1,3 and 2,4
     doc = json.loads((tmp_path / "orthrus" / "results.json").read_text())
     assert [r["metrics"]["throughput_rps"]["embedding"] for r in doc["runs"]] == [1.0, 3.0]
+    assert fv.stored(servers) == got  # what --refit fits again
+
+
+def test_fit_validation_gives_stock_vllm_the_engines_dtype(tmp_path):
+    """Stock vLLM's --dtype auto runs an fp32 checkpoint in bf16 on a CPU; the baselines must
+    compute in what the treatment computes in, so every server is given the same dtype."""
+    pytest.importorskip("torch")
+    import importlib.util
+    from types import SimpleNamespace
+
+    from orthrus_real.device import cpu_has_bf16
+
+    spec = importlib.util.spec_from_file_location("fit_validation", ROOT / "scripts" / "fit_validation.py")
+    fv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fv)
+    for name, expected in [("float32", "float32"),
+                           ("bfloat16", "bfloat16" if cpu_has_bf16() else "float32")]:
+        (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": name}))
+        assert fv.served_dtype(tmp_path) == expected
+    args = SimpleNamespace(backend="vllm", engine_cpus="1", model=tmp_path, dtype="float32")
+    for role in ("generation", "embedding", "unified"):
+        cmd, _ = fv.serve_command(args, 8000, role, tmp_path / "s.yaml", "orthrus")
+        assert cmd[cmd.index("--dtype") + 1] == "float32", role
+    assert "vllm.entrypoints.openai.api_server" in fv.serve_command(args, 8000, "generation")[0]
 
 
 def test_fit_validation_machine_speed_is_per_run_against_the_prior(tmp_path):

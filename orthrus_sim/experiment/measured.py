@@ -2,7 +2,8 @@
 in which only the metrics that were measured need be present (docs/fitting.md).
 
 What ``orthrus-real bench`` and ``validate`` write is read as it is; a hand-written file needs
-only ``runs: [{configuration, metrics}]`` with a few of the fitted metrics (``FIT_METRICS``).
+only ``runs: [{configuration, metrics}]`` with a few of the fitted metrics (``FIT_METRICS``;
+``iterations_per_s``, the engine's steps per second, from ``iterations`` and ``window_s``).
 A throughput of 0 or a percentile over no requests counts as not measured (a bench of one
 kind's server reports the other kind as 0), and so does a run's ``combined`` throughput when
 only one kind's is there (that server's total is not the configuration's).
@@ -24,9 +25,10 @@ from orthrus_sim.files import read_structured
 THROUGHPUT_KEYS = (*KINDS, "combined", "workflow")
 LATENCY_KEYS = (*KINDS, "ttft", "tpot", "workflow")
 STATS = ("mean", *PERCENTILES)
+ITERATION_RATE = "iterations_per_s"
 FIT_METRICS = tuple([f"throughput_rps.{k}" for k in THROUGHPUT_KEYS]
                     + [f"latency_s.{k}.{q}" for k in LATENCY_KEYS for q in STATS]
-                    + ["utilization.busy"])
+                    + ["utilization.busy", ITERATION_RATE])
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,29 @@ def _number(value, where: str) -> float | None:
     if value < 0:
         raise ValueError(f"{where}: must be >= 0, got {value!r}")
     return float(value)
+
+
+def iteration_rate(metrics: dict, role: str | None = None) -> float | None:
+    """Engine steps per second over a run's window: its ``iterations`` over ``window_s``
+    (both in every ``results.json``: an Orthrus server's own counter, stock vLLM's steps, the
+    simulator's iterations), or a hand-written ``iterations_per_s``. ``role``: only the
+    replicas of that role (one kind's servers of a simulated split), summed. None if not there.
+
+    A saturated server's steps pin its mean iteration time (busy time / steps), which its
+    request latencies only show mixed with the time requests spend outside the forward pass."""
+    if metrics.get(ITERATION_RATE) is not None:
+        return metrics[ITERATION_RATE]
+    window = metrics.get("window_s")
+    count = metrics.get("iterations")
+    if role is not None:
+        rows = [g for g in (metrics.get("utilization") or {}).get("per_gpu") or []
+                if g.get("role") == role]
+        if rows:
+            count = sum(g.get("iterations") or 0 for g in rows)
+    if count is None or not isinstance(window, list) or len(window) != 2:
+        return None
+    span = window[1] - window[0]
+    return count / span if span > 0 else None
 
 
 def run_metrics(metrics: dict, where: str) -> dict[str, float]:
@@ -75,6 +100,16 @@ def run_metrics(metrics: dict, where: str) -> dict[str, float]:
     busy = _number(busy, f"{where}.metrics.utilization.busy")
     if busy:  # the device's busy share: a front end that limits the server leaves it idle
         out["utilization.busy"] = busy
+    for key in ("iterations", ITERATION_RATE):
+        _number(metrics.get(key), f"{where}.metrics.{key}")
+    window = metrics.get("window_s")
+    if window is not None and not (isinstance(window, list) and len(window) == 2
+                                   and all(_number(w, f"{where}.metrics.window_s") is not None
+                                           for w in window)):
+        raise ValueError(f"{where}.metrics.window_s: expected [start, end] in seconds")
+    rate = iteration_rate(metrics)
+    if rate:  # 0: a server that does not expose its steps
+        out[ITERATION_RATE] = rate
     lat = metrics.get("latency_s") or {}
     if not isinstance(lat, dict):
         raise ValueError(f"{where}.metrics.latency_s: expected a mapping of kind -> statistics")
@@ -123,15 +158,17 @@ def load_measured(paths: list[str | Path], patterns: list[str] | None = None) ->
                 raise ValueError(f"{where}: needs 'configuration' (the configuration's name, "
                                  "e.g. dedicated-1:3 or orthrus) and 'metrics'")
             metrics = run_metrics(run.get("metrics"), where)
+            # the run's kind from all it measured, before the patterns pick the fitted metrics
+            kinds = [k for k in KINDS if f"throughput_rps.{k}" in metrics
+                     or any(m.startswith(f"latency_s.{k}.") for m in metrics)]
             if patterns:
                 metrics = {k: v for k, v in metrics.items()
                            if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
             if not metrics:
                 raise ValueError(f"{where}: no fitted metric is present (any of "
-                                 "throughput_rps.<kind>, latency_s.<kind>.<p50|p95|p99|mean>"
+                                 "throughput_rps.<kind>, latency_s.<kind>.<p50|p95|p99|mean>, "
+                                 "utilization.busy, iterations_per_s"
                                  + (f", matching {', '.join(patterns)}" if patterns else "") + ")")
-            kinds = [k for k in KINDS if f"throughput_rps.{k}" in metrics
-                     or any(m.startswith(f"latency_s.{k}.") for m in metrics)]
             runs.append(MeasuredRun(run["configuration"], metrics, str(path),
                                     kinds[0] if len(kinds) == 1 else None))
     return runs
