@@ -192,19 +192,17 @@ def measure(args, servers: list[tuple], console: Console, mix: str) -> list[dict
             runs[i] += serve_and_bench(cmd, port, sc, label, out / f"server{suffix}.log",
                                        start_timeout=300.0, env=env,
                                        iterations=out / f"iterations{suffix}.jsonl")
-    got = []
-    for i, (_, _, label, out, _) in enumerate(servers):
+    for i, (_, _, _, out, _) in enumerate(servers):
         doc = results_doc(scenario_dump(scenarios[i][1]), runs[i])
         if len(runs[i]) > 1:
             doc["repeats"] = spread(runs[i])
         write_json(doc, out / "results.json")
-        got.append({"configuration": label, "metrics": mean_metrics(runs[i]),
-                    "spread": doc.get("repeats", {})})
-    return got
+    return stored(servers)
 
 
 def stored(servers: list[tuple]) -> list[dict]:
-    """What ``measure`` returned for ``servers`` in an earlier run, from their results.json."""
+    """Per server its label, mean metrics and spread, from the results.json ``measure`` wrote
+    (now, or in an earlier run that ``--refit`` fits again)."""
     got = []
     for _, _, label, out, _ in servers:
         path = out / "results.json"
