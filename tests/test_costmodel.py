@@ -203,14 +203,14 @@ def test_fit_iterations_recovers_overheads():
     assert fitted.iteration_overhead_s == pytest.approx(3e-3, rel=0.2)
 
 
-@pytest.mark.parametrize("name, engine, threads", [
-    ("cpu-1core-small.json", "torch", 1), ("cpu-1core-small-vllm.json", "vllm", 1)])
-def test_shipped_one_core_priors_say_where_they_come_from(name, engine, threads):
+@pytest.mark.parametrize("name, engine", [("cpu-1core-small.json", "torch"),
+                                          ("cpu-1core-small-vllm.json", "vllm")])
+def test_shipped_one_core_priors_say_where_they_come_from(name, engine):
     """The priors scripts/fit_validation.py scales (docs/fidelity.md (g)): the engine, its
     threads and dtype recorded, their raw rows shipped beside them, and a held-out error."""
     cal = load_calibration(ROOT / "calibration" / name)
     env = cal.environment
-    assert (env.engine, env.threads, env.dtype) == (engine, threads, "bfloat16")
+    assert (env.engine, env.threads, env.dtype) == (engine, 1, "bfloat16")
     assert "avx512_bf16" in env.cpu_flags
     assert cal.model == "models/small"
     for f in cal.source.files:
