@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from orthrus_real.engine import Engine
-from orthrus_real.init_model import init_model
-from orthrus_real.sampling import SamplingParams
+from orthrus_real.engine.init_model import init_model
+from orthrus_real.engine.sampling import SamplingParams
+from orthrus_real.engine.torch_engine import Engine
 from orthrus_sim.engine import SchedulerConfig
 
 VARIANTS = {  # name -> engine options

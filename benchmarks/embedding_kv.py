@@ -100,8 +100,8 @@ def engine_figures(model: str | None, repeats: int) -> str:
     import numpy as np
     import torch
 
-    from orthrus_real.engine import Engine
-    from orthrus_real.init_model import init_model
+    from orthrus_real.engine.init_model import init_model
+    from orthrus_real.engine.torch_engine import Engine
     from orthrus_sim.engine import SchedulerConfig
 
     torch.set_num_threads(2)

@@ -45,8 +45,8 @@ def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int,
     if core is not None:
         os.sched_setaffinity(0, {core})
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)  # the vLLM worker's OpenMP team
-    from orthrus_real.backends import make_engine
-    from orthrus_real.sampling import SamplingParams
+    from orthrus_real.engine.sampling import SamplingParams
+    from orthrus_real.server.backends import make_engine
     from orthrus_sim.engine import SchedulerConfig
 
     chunk = None if policy == "embedding-only" else min(512, budget)
@@ -165,7 +165,7 @@ def main() -> None:
     console = Console(width=170)
     tmp = tempfile.TemporaryDirectory()
     if args.model is None:
-        from orthrus_real.init_model import init_model
+        from orthrus_real.engine.init_model import init_model
 
         args.model = init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
     model_dir = str(args.model)

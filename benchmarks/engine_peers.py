@@ -15,7 +15,7 @@ transformers runs in the engine's dtype on the engine's device (fp32 on a CPU wi
 ``--attention`` / ``--static-step`` / ``--cuda-graphs`` choose the engine's paths;
 ``--also-gathered`` adds the engine with its decode contexts gathered at every step (on a CPU
 they are kept between steps by default), alternated with the rest; ``--cpu-gemm`` chooses the
-library of the engine's fp32 projections on a CPU (default auto: ``orthrus_real/cpu_gemm.py``),
+library of the engine's fp32 projections on a CPU (default auto: ``orthrus_real/engine/cpu_gemm.py``),
 and ``--also-mkl`` adds the engine with MKL's (its path before the choice), alternated; the run ends
 with one decode step (64 streams at context 128) under each attention path
 (``benchmarks/decode_step.py``), unless ``--no-paths``.
@@ -39,9 +39,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from orthrus_real.engine import Engine
-from orthrus_real.init_model import init_model
-from orthrus_real.sampling import SamplingParams
+from orthrus_real.engine.init_model import init_model
+from orthrus_real.engine.sampling import SamplingParams
+from orthrus_real.engine.torch_engine import Engine
 from orthrus_sim.engine import SchedulerConfig
 
 sys.path.insert(0, str(Path(__file__).parent))  # decode_step.py beside this file

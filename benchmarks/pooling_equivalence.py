@@ -22,8 +22,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from orthrus_real.engine import Engine
-from orthrus_real.init_model import init_model
+from orthrus_real.engine.init_model import init_model
+from orthrus_real.engine.torch_engine import Engine
 from orthrus_sim.engine import SchedulerConfig
 
 HEADS = ("mean", "cls", "weighted-mean")

@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=10.0, help="seconds of /health on the idle "
                     "server first (the baseline on this machine's load)")
     args = ap.parse_args()
-    from orthrus_real.init_model import init_model
+    from orthrus_real.engine.init_model import init_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / args.size, "llama", args.size, seed=0)
@@ -135,7 +135,7 @@ def main() -> None:
         proc = subprocess.Popen([sys.executable, "-m", "orthrus_real.cli", "serve", "--model",
                                  str(model), "--port", str(port), "--log-level", "warning"])
         try:
-            from orthrus_real.serving import wait_healthy
+            from orthrus_real.server.serving import wait_healthy
 
             wait_healthy(url, 300.0, proc)
             result = asyncio.run(run(url, args, proc.pid))

@@ -43,7 +43,7 @@ def stock(model: str, reqs: list[list[int]], repeats: int, budget: int) -> float
 
 
 def plugin(model: str, reqs: list[list[int]], repeats: int, budget: int, policy: str) -> float:
-    from orthrus_real.sampling import SamplingParams
+    from orthrus_real.engine.sampling import SamplingParams
     from orthrus_real.vllm_backend.engine import VllmEngine
     from orthrus_sim.engine import SchedulerConfig
 
@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     if args.model is None:
-        from orthrus_real.init_model import init_model
+        from orthrus_real.engine.init_model import init_model
 
         args.model = init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
     from orthrus_real.vllm_backend.support import prepare_environment

@@ -49,7 +49,7 @@ def init_model_cmd(
     adapter_rank: int = typer.Option(0, help="also write a PEFT LoRA adapter of this rank to DIR/adapter"),
 ) -> None:
     """Write a seeded random model (config.json, safetensors, tokenizer.json) in HF layout."""
-    from orthrus_real.init_model import init_model
+    from orthrus_real.engine.init_model import init_model
 
     try:
         path = init_model(out_dir, family, size, seed, dtype, shards, adapter_rank or None)
@@ -85,7 +85,7 @@ def scheduler_settings(scenario: str | None, configuration: str | None, set_: li
 def _settings(scenario, configuration, set_, policy, token_budget=None, chunk_size=None,
               max_num_seqs=None):
     """``scheduler_settings`` plus the scenario's calibration (None without a scenario)."""
-    from orthrus_real.settings import cli_config
+    from orthrus_real.engine.settings import cli_config
 
     if scenario is None:
         if configuration is not None:
@@ -175,13 +175,13 @@ def serve(
 
     Logs what it loaded, then 'orthrus ready: http://HOST:PORT' once it accepts requests.
     """
-    from orthrus_real.serving import bind_socket, build, check_max_model_len, setup_logging
-    from orthrus_real.serving import serve as run_server
+    from orthrus_real.server.serving import bind_socket, build, check_max_model_len, setup_logging
+    from orthrus_real.server.serving import serve as run_server
 
     if not 1 <= port <= 65535:
         fail(f"--port must be between 1 and 65535, got {port}")
     try:
-        from orthrus_real.device import parse_cpus, pin_process
+        from orthrus_real.engine.device import parse_cpus, pin_process
 
         pinned = parse_cpus(cpus)
         pin_process(pinned)
@@ -242,9 +242,9 @@ def bench(
 
     from rich.progress import Progress
 
-    from orthrus_real.bench import bench as run_bench
-    from orthrus_real.bench import repeats_doc, stream_summary, write_results
-    from orthrus_real.device import environment_check, parse_cpus, pin_process
+    from orthrus_real.engine.device import environment_check, parse_cpus, pin_process
+    from orthrus_real.measure.bench import bench as run_bench
+    from orthrus_real.measure.bench import repeats_doc, stream_summary, write_results
     from orthrus_sim.experiment.results import print_runs
     from orthrus_sim.experiment.scenario import load_scenario
 
@@ -308,9 +308,9 @@ def calibrate(
     """Profile the engine over batch compositions, fit the cost model, write a calibration."""
     from rich.progress import Progress
 
-    from orthrus_real import calibrate as cal
-    from orthrus_real.device import parse_cpus, pin_process
-    from orthrus_real.model_files import adapter_rank
+    from orthrus_real.engine.device import parse_cpus, pin_process
+    from orthrus_real.engine.model_files import adapter_rank
+    from orthrus_real.measure import calibrate as cal
 
     try:
         pinned = parse_cpus(cpus)
@@ -327,7 +327,7 @@ def calibrate(
         if load_seconds > 0:
             with console.status(f"profiling {load_seconds:.0f} s of mixed serving load"):
                 rows += cal.profile_load(runner, min(load_seconds, 6.0) if quick else load_seconds)
-        from orthrus_real.device import engine_environment
+        from orthrus_real.engine.device import engine_environment
 
         env = engine_environment(runner.engine, backend)
         runner.stop()
@@ -369,8 +369,8 @@ def validate(
                                     "CPUs, apart from the server's"),
 ) -> None:
     """Run a scenario simulated and for real on this machine; print both and the errors."""
-    from orthrus_real.device import parse_cpus, pin_process
-    from orthrus_real.validate import validate as run_validate
+    from orthrus_real.engine.device import parse_cpus, pin_process
+    from orthrus_real.measure.validate import validate as run_validate
 
     try:
         if (engine_cpus or client_cpus) and not via_server:

@@ -50,9 +50,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from orthrus_real.bench import mean_metrics, spread
-from orthrus_real.device import parse_cpus, pin_process
-from orthrus_real.validate import _free_port, compare, mape_summary, serve_and_bench
+from orthrus_real.engine.device import parse_cpus, pin_process
+from orthrus_real.measure.bench import mean_metrics, spread
+from orthrus_real.measure.validate import _free_port, compare, mape_summary, serve_and_bench
 from orthrus_sim.costmodel import calibrated_predictor, save_calibration
 from orthrus_sim.costmodel.iteration_check import iteration_residuals, load_iterations
 from orthrus_sim.experiment.measured import load_measured, only_kind
@@ -122,7 +122,7 @@ def served_dtype(model: Path) -> str:
     without bf16 instructions, so its baselines would price another engine than the treatment."""
     import torch
 
-    from orthrus_real.device import choose_dtype
+    from orthrus_real.engine.device import choose_dtype
 
     config = json.loads((model / "config.json").read_text())
     name = config.get("torch_dtype") or config.get("dtype") or "float32"

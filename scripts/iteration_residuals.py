@@ -4,7 +4,7 @@ schedule from one that comes from the cost of the batches.
 
 The iterations are a server's ``GET /iterations`` record, saved by ``scripts/fit_validation.py``
 as ``iterations.jsonl`` beside each server's results (or by ``save_iterations`` in
-``orthrus_real/validate.py``); each is predicted from its shape with the calibration's cost
+``orthrus_real/measure/validate.py``); each is predicted from its shape with the calibration's cost
 model, its fitted factors applied as the simulator applies them.
 
 Run: python scripts/iteration_residuals.py LOG.jsonl [LOG.jsonl ...] --calibration CAL

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 from make_fidelity import MIXES, TARGETS, cell  # beside this script
 
-from orthrus_real.validate import validate
+from orthrus_real.measure.validate import validate
 from orthrus_sim.experiment.scenario import read_scenario
 
 ROOT = Path(__file__).resolve().parents[1]

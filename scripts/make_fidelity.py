@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from orthrus_real.validate import mape_summary, validate
+from orthrus_real.measure.validate import mape_summary, validate
 from orthrus_sim.experiment.scenario import read_scenario
 
 ROOT = Path(__file__).resolve().parents[1]

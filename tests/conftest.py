@@ -19,7 +19,7 @@ if settings is not None:
 def tiny_models(tmp_path_factory):
     """Seeded tiny models of each family (fp32), each with a LoRA adapter in ``adapter/``."""
     torch = pytest.importorskip("torch")  # noqa: F841
-    from orthrus_real.init_model import init_model
+    from orthrus_real.engine.init_model import init_model
 
     root = tmp_path_factory.mktemp("models")
     return {fam: init_model(root / fam, fam, "tiny", seed=i, adapter_rank=4)

@@ -7,8 +7,8 @@ from typer.testing import CliRunner
 
 pytest.importorskip("torch")
 
-from orthrus_real import backends  # noqa: E402
 from orthrus_real.cli import app  # noqa: E402
+from orthrus_real.server import backends  # noqa: E402
 from orthrus_real.vllm_backend import support  # noqa: E402
 
 

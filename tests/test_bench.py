@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("httpx")
 
-from orthrus_real.bench import (  # noqa: E402
+from orthrus_real.measure.bench import (  # noqa: E402
     LiveDriver,
     bench,
     stream_summary,  # noqa: E402
@@ -103,7 +103,7 @@ def test_simulator_and_bench_send_the_same_requests(live, workload):
     async def measured():
         import httpx
 
-        from orthrus_real.bench import HttpTransport
+        from orthrus_real.measure.bench import HttpTransport
 
         async with httpx.AsyncClient(base_url=live, timeout=60) as client:
             driver = LiveDriver(HttpTransport(client, "llama"), scenario, keep_specs=True)
@@ -207,7 +207,7 @@ def test_served_replicas_reads_any_servers_health(body, expected):
 
     import httpx
 
-    from orthrus_real.bench import served_replicas
+    from orthrus_real.measure.bench import served_replicas
 
     async def go():
         transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
@@ -220,7 +220,7 @@ def test_served_replicas_reads_any_servers_health(body, expected):
 def test_a_stock_vllm_servers_engine_steps_come_from_its_own_histogram():
     # stock vLLM exposes no orthrus_iterations_total, but observes vllm:iteration_tokens_total
     # once per engine step: its count over the window is the steps the server ran
-    from orthrus_real.bench import engine_metrics, engine_steps, parse_prometheus
+    from orthrus_real.measure.bench import engine_metrics, engine_steps, parse_prometheus
 
     def text(steps: int, tokens: int, extra: str = "") -> str:
         return (f'vllm:iteration_tokens_total_bucket{{engine="0",le="+Inf",model_name="m"}} {steps}\n'

@@ -99,7 +99,7 @@ def test_validate_refuses_disagg_pd(calibration, tiny_models, tmp_path):
 
 def test_calibration_records_its_machine_and_validate_bench_warn_elsewhere(calibration, tiny_models,
                                                                            tmp_path):
-    from orthrus_real.device import environment_check
+    from orthrus_real.engine.device import environment_check
     from orthrus_sim.costmodel import save_calibration
     from orthrus_sim.machine import this_machine
 
@@ -132,7 +132,7 @@ def test_calibration_records_its_machine_and_validate_bench_warn_elsewhere(calib
 
 
 def test_profiled_rows_are_categorised_by_what_the_batch_carried():
-    from orthrus_real.calibrate import _category
+    from orthrus_real.measure.calibrate import _category
     from orthrus_sim.costmodel.shape import BatchShape
     from orthrus_sim.engine.batch import ItemKind
 

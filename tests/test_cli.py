@@ -146,7 +146,7 @@ def test_real_cli_errors_name_the_problem(tmp_path):
     import torch
 
     if not torch.cuda.is_available():
-        from orthrus_real.device import choose_device
+        from orthrus_real.engine.device import choose_device
 
         with pytest.raises(ValueError, match="--device cuda"):
             choose_device("cuda")
@@ -154,7 +154,7 @@ def test_real_cli_errors_name_the_problem(tmp_path):
 
 def test_dtype_follows_the_cpu(monkeypatch):
     torch = pytest.importorskip("torch")
-    from orthrus_real import device
+    from orthrus_real.engine import device
 
     monkeypatch.setattr(device, "cpu_flags", lambda: {"avx2", "fma"})
     dtype, why = device.choose_dtype(torch.device("cpu"), None, torch.bfloat16)
@@ -168,7 +168,7 @@ def test_dtype_follows_the_cpu(monkeypatch):
 
 def test_calibrate_warns_when_the_fit_is_poor():
     pytest.importorskip("torch")
-    from orthrus_real.calibrate import fit_warnings
+    from orthrus_real.measure.calibrate import fit_warnings
     from orthrus_sim.costmodel import load_calibration
 
     cal = load_calibration(ROOT / "calibration" / "cpu-2core-small.json")

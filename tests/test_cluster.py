@@ -23,7 +23,7 @@ pytest.importorskip("torch")
 from orthrus_real.cluster.devices import Device, parse_devices  # noqa: E402
 from orthrus_real.cluster.metrics_text import merge, replica_roles, sum_replicas  # noqa: E402
 from orthrus_real.cluster.replicas import free_port, plan_replicas  # noqa: E402
-from orthrus_real.serving import wait_healthy  # noqa: E402
+from orthrus_real.server.serving import wait_healthy  # noqa: E402
 from orthrus_sim.experiment.scenario import parse_scenario  # noqa: E402
 
 REPLICA = "x-orthrus-replica"
@@ -147,7 +147,7 @@ def test_metrics_merge_labels_each_replica_and_sums_back():
     merged = merge({0: text, 1: text.replace("2.0", "3.0")})
     assert merged.count("# TYPE x_total counter") == 1
     assert 'x_total{replica="0"} 2.0' in merged and 'h{replica="1",kind="e"} 1.0' in merged
-    from orthrus_real.bench import parse_prometheus
+    from orthrus_real.measure.bench import parse_prometheus
 
     total, each = sum_replicas(parse_prometheus(merged))
     assert total["x_total"] == 5.0 and each[1]["x_total"] == 3.0 and total['h{kind="e"}'] == 2.0
@@ -196,7 +196,7 @@ def test_every_request_completes_and_round_robin_alternates(rr_cluster):
 
 
 def test_bench_measures_the_cluster_per_replica(rr_cluster):
-    from orthrus_real.bench import bench
+    from orthrus_real.measure.bench import bench
 
     sc = parse_scenario({"name": "t", "seed": 3, "num_requests": 12,
                          "workload": {"arrival": {"process": "poisson", "rate": 40},

@@ -1,13 +1,13 @@
-"""The library of the engine's fp32 projections on a CPU (orthrus_real/cpu_gemm.py): the
+"""The library of the engine's fp32 projections on a CPU (orthrus_real/engine/cpu_gemm.py): the
 setting, the once-per-process probe, the routing by rows, and the engine's output either way."""
 
 import pytest
 import torch
 
-from orthrus_real import cpu_gemm
-from orthrus_real.cpu_gemm import NARROW_ROWS, CpuGemm, choose_cpu_gemm, resolve_setting
-from orthrus_real.engine import Engine
-from orthrus_real.sampling import SamplingParams
+from orthrus_real.engine import cpu_gemm
+from orthrus_real.engine.cpu_gemm import NARROW_ROWS, CpuGemm, choose_cpu_gemm, resolve_setting
+from orthrus_real.engine.sampling import SamplingParams
+from orthrus_real.engine.torch_engine import Engine
 
 
 def test_a_named_library_is_taken_as_asked_and_a_wrong_name_is_named(monkeypatch):
@@ -150,7 +150,7 @@ def test_a_wrong_environment_setting_is_named_by_every_engine(tiny_models, monke
 
 
 def test_a_calibration_records_the_library(tiny_models):
-    from orthrus_real.device import engine_environment
+    from orthrus_real.engine.device import engine_environment
 
     eng = Engine(tiny_models["llama"], device="cpu", dtype="float32", cpu_gemm="onednn")
     assert engine_environment(eng, "torch")["engine_version"].endswith(

@@ -381,7 +381,7 @@ def test_fit_validation_gives_stock_vllm_the_engines_dtype(tmp_path):
     import importlib.util
     from types import SimpleNamespace
 
-    from orthrus_real.device import cpu_has_bf16
+    from orthrus_real.engine.device import cpu_has_bf16
 
     spec = importlib.util.spec_from_file_location("fit_validation", ROOT / "scripts" / "fit_validation.py")
     fv = importlib.util.module_from_spec(spec)

@@ -165,8 +165,8 @@ def test_the_pytorch_engine_keeps_decode_iterations_within_its_calibrated_target
     fitted to the engine; every decode iteration is predicted within the target (or carries
     decodes that alone miss it), and greedy outputs are those of an engine without a target."""
     pytest.importorskip("torch")
-    from orthrus_real.engine import Engine
-    from orthrus_real.sampling import SamplingParams
+    from orthrus_real.engine.sampling import SamplingParams
+    from orthrus_real.engine.torch_engine import Engine
     from orthrus_sim.costmodel import calibrated_predictor
     from tests.test_real_engine import prompt_ids
 
@@ -222,7 +222,7 @@ def test_the_pytorch_engine_keeps_decode_iterations_within_its_calibrated_target
 
 def test_a_target_on_the_engine_needs_a_calibration(tiny_models):
     pytest.importorskip("torch")
-    from orthrus_real.engine import Engine
+    from orthrus_real.engine.torch_engine import Engine
 
     with pytest.raises(ValueError, match="--calibration"):
         Engine(tiny_models["llama"], scheduler=SchedulerConfig(tpot_target_s=0.01), device="cpu",

@@ -128,7 +128,7 @@ def test_one_file_name_rule():
 
 
 def test_one_summary_shape_for_lists_sketches_and_histograms():
-    from orthrus_real.bench import histogram_summary
+    from orthrus_real.measure.bench import histogram_summary
 
     values = list(np.random.default_rng(0).exponential(1.0, 500))
     q = Quantiles()
@@ -147,7 +147,7 @@ def test_one_summary_shape_for_lists_sketches_and_histograms():
 
 
 def test_dead_code_is_gone():
-    from orthrus_real.api import bodies
+    from orthrus_real.server.api import bodies
     from orthrus_sim.costmodel.coefficients import Coefficients
     from orthrus_sim.engine import BatchItem, BlockManager, Request
     from orthrus_sim.experiment import scenario, workload

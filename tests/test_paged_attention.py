@@ -1,5 +1,5 @@
 """In-place paged attention against the gathering path, and the static step against the
-dynamic one (orthrus_real/paged_attention.py, orthrus_real/static_decode.py). All on the CPU:
+dynamic one (orthrus_real/engine/paged_attention.py, orthrus_real/engine/static_decode.py). All on the CPU:
 the static path runs there without capture; the compiled kernel and the capture are GPU-only."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ pytest.importorskip("transformers")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from orthrus_real import paged_attention as pa  # noqa: E402
-from orthrus_real.attention import build_metadata, paged_attention  # noqa: E402
-from orthrus_real.engine import Engine  # noqa: E402
-from orthrus_real.sampling import SamplingParams  # noqa: E402
-from orthrus_real.static_decode import default_buckets  # noqa: E402
+from orthrus_real.engine import paged_attention as pa  # noqa: E402
+from orthrus_real.engine.attention import build_metadata, paged_attention  # noqa: E402
+from orthrus_real.engine.sampling import SamplingParams  # noqa: E402
+from orthrus_real.engine.static_decode import default_buckets  # noqa: E402
+from orthrus_real.engine.torch_engine import Engine  # noqa: E402
 from orthrus_sim.engine import Request, RequestKind, SchedulerConfig  # noqa: E402
 from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind  # noqa: E402
 
@@ -233,8 +233,8 @@ def test_cpu_fp32_shortcuts_equal_the_plain_ops():
     # the gathering path's fp32 CPU decode (fused attention over the strided gathered
     # contexts, padding masked) and the column-split projection for few rows give what the
     # plain operations give
-    from orthrus_real.attention import _decodes, _decodes_fp32_cpu
-    from orthrus_real.cpu_gemm import NARROW_ROWS, SPLIT_COLS, mkl_linear, onednn_linear
+    from orthrus_real.engine.attention import _decodes, _decodes_fp32_cpu
+    from orthrus_real.engine.cpu_gemm import NARROW_ROWS, SPLIT_COLS, mkl_linear, onednn_linear
 
     gen = torch.Generator().manual_seed(3)
     for kvh, g in ((4, 3), (2, 1), (1, 6)):
@@ -265,7 +265,7 @@ def test_the_cpu_engine_keeps_large_buffers_in_the_heap(tiny_models, monkeypatch
     # engine raises the thresholds once per process, and ORTHRUS_CPU_HEAP=0 leaves them
     import sys as _sys
 
-    from orthrus_real import device as dev
+    from orthrus_real.engine import device as dev
 
     eng = Engine(tiny_models["llama"], device="cpu")
     if _sys.platform.startswith("linux"):
@@ -278,7 +278,7 @@ def test_the_cpu_engine_keeps_large_buffers_in_the_heap(tiny_models, monkeypatch
 
 # ----- decode contexts kept between steps (the gathering path on a CPU) -----------------------
 def test_kept_contexts_append_only_for_the_same_decodes_one_token_further():
-    from orthrus_real.attention import KeptContexts
+    from orthrus_real.engine.attention import KeptContexts
 
     kept = KeptContexts(2, limit_tokens=64)
     assert kept.plan(("a", "b"), [5, 9], 4) == (False, 20)  # longest 9 -> 3 blocks + 2
@@ -302,7 +302,7 @@ def test_kept_contexts_append_only_for_the_same_decodes_one_token_further():
 def test_kept_contexts_attend_as_a_fresh_gather_step_after_step(block_size):
     """Decodes one token further each step, one leaving at step 3, a chunk beside them at step
     4: the kept contexts' output equals a fresh gather's, and only the expected steps append."""
-    from orthrus_real.attention import KeptContexts
+    from orthrus_real.engine.attention import KeptContexts
 
     gen = torch.Generator().manual_seed(block_size)
     heads, kv_heads, dim, steps = 4, 2, 8, 6
@@ -380,7 +380,7 @@ def fails_once(num_layers: int, at_pass: int = 10):
 def test_kept_decode_contexts_through_preemption_abort_and_a_failed_pass(tiny_models, monkeypatch):
     """The failed pass is retried in halves by the engine's isolation; the kept contexts it
     half-appended are dropped, so every token is still the plain gather's."""
-    from orthrus_real import model as model_module
+    from orthrus_real.engine import model as model_module
 
     path = tiny_models["mistral"]
     specs = streams(6, seed=80)

@@ -11,10 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from orthrus_real.engine import Engine, RequestRejected  # noqa: E402
-from orthrus_real.init_model import init_model  # noqa: E402
-from orthrus_real.model_files import read_adapter, read_config  # noqa: E402
-from orthrus_real.sampling import SamplingParams  # noqa: E402
+from orthrus_real.engine.init_model import init_model  # noqa: E402
+from orthrus_real.engine.model_files import read_adapter, read_config  # noqa: E402
+from orthrus_real.engine.sampling import SamplingParams  # noqa: E402
+from orthrus_real.engine.torch_engine import Engine, RequestRejected  # noqa: E402
 from orthrus_sim.engine import POLICIES, Request, RequestKind, SchedulerConfig, pool  # noqa: E402
 
 # The engine tests run on one device: CUDA where this torch has it (or ORTHRUS_TEST_DEVICE),
@@ -55,7 +55,7 @@ def engine_hidden(engine, ids, kind):
     """Final hidden states of one whole-prompt item (and the logits of every row)."""
     req = Request("probe", kind, 0.0, len(ids), max_output_tokens=1 if kind is RequestKind.GENERATION else 0,
                   token_ids=ids)
-    from orthrus_real.engine_base import _State
+    from orthrus_real.engine.base import _State
 
     req.payload = _State(tokens=list(ids))
     engine.policy.add(req)
@@ -272,7 +272,7 @@ def test_every_policy_name_runs_in_the_engine(tiny_models):
 def test_a_fresh_chunk_after_a_chunk_with_context_is_attended_on_its_own():
     # a's second chunk (16 tokens, 16 cached) and b's first (16 fresh tokens) side by side: only
     # fresh chunks of equal length may share one attention call
-    from orthrus_real.attention import build_metadata
+    from orthrus_real.engine.attention import build_metadata
     from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
 
     a = Request("a", RequestKind.EMBEDDING, 0.0, 48)
@@ -343,7 +343,7 @@ def test_a_one_chunk_embedding_never_touches_the_kv_cache(tiny_models):
 
 
 def test_an_unstored_last_chunk_reads_its_context_and_writes_nothing():
-    from orthrus_real.attention import build_metadata
+    from orthrus_real.engine.attention import build_metadata
     from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
 
     a = Request("a", RequestKind.EMBEDDING, 0.0, 40)  # last chunk: 24 tokens after 16 cached

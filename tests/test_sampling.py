@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from orthrus_real.sampling import SamplingParams, sample  # noqa: E402
+from orthrus_real.engine.sampling import SamplingParams, sample  # noqa: E402
 
 
 def reference_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from orthrus_real.serving import bind_socket, build, serve, wait_healthy  # noqa: E402
+from orthrus_real.server.serving import bind_socket, build, serve, wait_healthy  # noqa: E402
 
 
 def start_server(model_dir, **kwargs):
@@ -366,7 +366,7 @@ def test_iterations_endpoint_pages_the_engine_record_and_the_cost_model_reads_it
     bad = httpx.get(url + "/iterations", params={"limit": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
 
-    from orthrus_real.validate import save_iterations
+    from orthrus_real.measure.validate import save_iterations
     from orthrus_sim.costmodel import calibrated_predictor
     from orthrus_sim.costmodel.iteration_check import iteration_residuals, load_iterations
 

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 
-from orthrus_real.serving import wait_healthy  # noqa: E402
+from orthrus_real.server.serving import wait_healthy  # noqa: E402
 from tests.test_server import metric, start_server  # noqa: E402
 
 
@@ -233,7 +233,7 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(tiny_models):
 
 
 def test_api_key_is_compared_in_constant_time_and_one_header_only(tiny_models, monkeypatch):
-    from orthrus_real.api import errors
+    from orthrus_real.server.api import errors
 
     compared = []
     real = errors.hmac.compare_digest
@@ -258,7 +258,7 @@ def serve_cli(*args):
 
 
 def test_serve_refuses_bad_settings_before_loading(tiny_models, monkeypatch):
-    from orthrus_real import backends
+    from orthrus_real.server import backends
 
     def no_loading(*_):
         raise AssertionError("the model was loaded")
@@ -311,7 +311,7 @@ def test_a_second_signal_exits_at_once(tiny_models, sig):
 def test_the_listening_socket_lets_asyncio_turn_nagle_off():
     """asyncio sets TCP_NODELAY only on sockets whose proto is TCP; with proto 0 each response
     (head and body written apart) waited ~40 ms for the client's delayed ACK."""
-    from orthrus_real.serving import bind_socket
+    from orthrus_real.server.serving import bind_socket
 
     with bind_socket("127.0.0.1", 0) as sock:
         assert sock.proto == socket.IPPROTO_TCP

@@ -12,7 +12,7 @@ import typing
 
 import pytest
 
-from orthrus_real.settings import (
+from orthrus_real.engine.settings import (
     EXECUTOR_FIELDS,
     cli_config,
     executor_config,
@@ -144,7 +144,7 @@ def test_every_field_reaches_the_engines_policy(name):
 
 
 def test_torch_engine_runs_the_config_it_is_given(tiny_models):
-    from orthrus_real.engine import Engine
+    from orthrus_real.engine.torch_engine import Engine
 
     cfg = dataclasses.replace(DEFAULTS, **{n: other_value(n) for n in CARRIED})
     engine = Engine(tiny_models["llama"], scheduler=cfg, kv_cache_tokens=4096,

@@ -12,9 +12,9 @@ pytest.importorskip("torch")
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from orthrus_real.engine import Engine, RequestRejected  # noqa: E402
-from orthrus_real.init_model import init_model  # noqa: E402
-from orthrus_real.sampling import SamplingParams  # noqa: E402
+from orthrus_real.engine.init_model import init_model  # noqa: E402
+from orthrus_real.engine.sampling import SamplingParams  # noqa: E402
+from orthrus_real.engine.torch_engine import Engine, RequestRejected  # noqa: E402
 from orthrus_real.vllm_backend.engine import VllmEngine  # noqa: E402
 from orthrus_sim.engine import SchedulerConfig  # noqa: E402
 

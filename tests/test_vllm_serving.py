@@ -19,10 +19,10 @@ pytest.importorskip("torch")
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from orthrus_real.engine_thread import EngineThread, RequestFailed  # noqa: E402
-from orthrus_real.init_model import init_model  # noqa: E402
-from orthrus_real.sampling import SamplingParams  # noqa: E402
-from orthrus_real.serving import wait_healthy  # noqa: E402
+from orthrus_real.engine.init_model import init_model  # noqa: E402
+from orthrus_real.engine.sampling import SamplingParams  # noqa: E402
+from orthrus_real.server.engine_thread import EngineThread, RequestFailed  # noqa: E402
+from orthrus_real.server.serving import wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAGIC = 400

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orthrus_real.device import parse_cpus
+from orthrus_real.engine.device import parse_cpus
 
 KINDS = ("cpu", "cuda")
 

@@ -29,9 +29,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from orthrus_real.api.errors import BearerAuth, BodyLimit, error_response
 from orthrus_real.cluster.metrics_text import merge
 from orthrus_real.cluster.replicas import SERVES, Replica, ServeOptions, stop_all
+from orthrus_real.server.api.errors import BearerAuth, BodyLimit, error_response
 from orthrus_sim.engine.request import Request as RoutedRequest
 from orthrus_sim.engine.request import RequestKind
 from orthrus_sim.experiment.routing import make_router

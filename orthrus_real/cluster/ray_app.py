@@ -1,7 +1,7 @@
 """The cluster as a Ray Serve application (``orthrus-real serve --ray local|auto``).
 
 Each replica of the plan is one Ray Serve deployment of one replica, ``EngineServer``: it holds
-one engine (the single-engine server of ``orthrus_real.serving``, in the deployment replica's
+one engine (the single-engine server of ``orthrus_real.server.serving``, in the deployment replica's
 own process, on the node Ray placed it on: a GPU each with ``num_gpus=1``). The ingress
 deployment is the gateway (``orthrus_real.cluster.gateway``) with the project's router in front
 of them, serving the OpenAI routes unchanged through Ray Serve's HTTP proxy.
@@ -42,8 +42,8 @@ class EngineServer:
     def __init__(self, spec: ReplicaSpec, opts: ServeOptions) -> None:
         import ray
 
-        from orthrus_real.device import pin_process
-        from orthrus_real.serving import bind_socket, build, serve, setup_logging, wait_healthy
+        from orthrus_real.engine.device import pin_process
+        from orthrus_real.server.serving import bind_socket, build, serve, setup_logging, wait_healthy
 
         setup_logging(opts.log_level)
         pin_process(set(spec.device.cpus) if spec.device.cpus else None)
@@ -148,7 +148,7 @@ class GatewayIngress:
     def __init__(self, engines: list, replicas: list[RayReplica], opts: ServeOptions,
                  scenario_router: tuple[str, float | None, float]) -> None:
         from orthrus_real.cluster.gateway import Gateway
-        from orthrus_real.serving import setup_logging
+        from orthrus_real.server.serving import setup_logging
 
         setup_logging(opts.log_level)
         for replica, handle in zip(replicas, engines):

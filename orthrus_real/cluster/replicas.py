@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
 
 from orthrus_real.cluster.devices import Device, cpus_text
-from orthrus_real.settings import EXECUTOR_FIELDS
+from orthrus_real.engine.settings import EXECUTOR_FIELDS
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.experiment.plan import ReplicaPlan, plan_configuration
 from orthrus_sim.experiment.scenario import Scenario, is_unified

@@ -71,8 +71,8 @@ def cluster_scenario(scenario: str | None, set_: list[str], knobs: list[str], po
     """The scenario whose plan the replicas run (``--scenario``, or one made of the command
     line's knobs), with this model, its engines' KV capacity and ``--replicas`` GPUs; and the
     configuration served."""
-    from orthrus_real.model_files import adapter_rank
-    from orthrus_real.validate import real_scenario
+    from orthrus_real.engine.model_files import adapter_rank
+    from orthrus_real.measure.validate import real_scenario
 
     if scenario is None:
         raw = {"name": "serve", "num_requests": 1, "model": opts.model,
@@ -153,7 +153,7 @@ def serve_cluster(gateway, host: str, port: int, sock: socket.socket, log_level:
     import uvicorn
 
     from orthrus_real.cluster.gateway import create_gateway_app
-    from orthrus_real.serving import KEEP_ALIVE_S, MAX_HEAD, DrainingServer
+    from orthrus_real.server.serving import KEEP_ALIVE_S, MAX_HEAD, DrainingServer
 
     app = create_gateway_app(gateway, max_body_bytes, api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http="h11",

@@ -17,9 +17,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orthrus_real.engine_base import EngineBase, RequestOutput
-from orthrus_real.model_files import read_adapter
-from orthrus_real.settings import to_vllm_options
+from orthrus_real.engine.base import EngineBase, RequestOutput
+from orthrus_real.engine.model_files import read_adapter
+from orthrus_real.engine.settings import to_vllm_options
 from orthrus_real.vllm_backend.support import check_policy, check_vllm, prepare_environment
 from orthrus_sim.engine import Request, SchedulerConfig
 
@@ -38,7 +38,7 @@ class VllmEngine(EngineBase):
         super().__init__(model_dir)
         import torch
 
-        from orthrus_real.device import choose_dtype
+        from orthrus_real.engine.device import choose_dtype
 
         platform = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         cfg = self._set_dtype(*choose_dtype(platform, dtype, self.cfg.dtype))

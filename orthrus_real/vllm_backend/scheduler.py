@@ -9,7 +9,7 @@ always agree; a disagreement is a bug and raises.
 
 Set it with ``scheduler_cls`` and the policy with ``additional_config={"orthrus": {...}}``:
 ``policy`` and any field of ``SchedulerConfig`` but those vLLM decides (block size, KV blocks,
-model length); ``VllmEngine`` hands over the whole config (``orthrus_real.settings``). With
+model length); ``VllmEngine`` hands over the whole config (``orthrus_real.engine.settings``). With
 ``tpot_target_s``, ``predictor`` names the calibration, model and adapter rank of the cost model
 that predicts iteration times (``calibrated_predictor``).
 Prefix caching, speculative decoding, KV connectors and pipeline parallelism are refused: the
@@ -24,7 +24,7 @@ from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from orthrus_real.settings import from_vllm_options
+from orthrus_real.engine.settings import from_vllm_options
 from orthrus_real.vllm_backend.support import check_policy
 from orthrus_sim.costmodel.predictor import calibrated_predictor
 from orthrus_sim.engine import Request, RequestKind, make_policy

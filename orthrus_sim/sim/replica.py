@@ -3,7 +3,7 @@
 Its loop is the brief's three stages: ask the shared policy for a batch unit, hold for the cost
 model's iteration time, then complete the items. A request that arrives while an iteration is in
 flight enters the policy when that iteration ends, as in a real engine, whose thread takes new
-requests in between steps (``orthrus_real/engine_thread.py``, vLLM's engine core): a policy whose
+requests in between steps (``orthrus_real/server/engine_thread.py``, vLLM's engine core): a policy whose
 choice depends on when work became ready (Unified-Homo) then sees what the real one sees.
 
 When only identical decode iterations can follow (nothing waits, nobody finishes, the KV cache

@@ -12,10 +12,10 @@ import contextlib
 
 from fastapi import FastAPI
 
-from orthrus_real.api import admin, completions, embeddings
-from orthrus_real.api.context import ServerContext, chat_template
-from orthrus_real.api.errors import ApiError, BearerAuth, BodyLimit, error_response, install_handlers
-from orthrus_real.engine_thread import EngineThread
+from orthrus_real.server.api import admin, completions, embeddings
+from orthrus_real.server.api.context import ServerContext, chat_template
+from orthrus_real.server.api.errors import ApiError, BearerAuth, BodyLimit, error_response, install_handlers
+from orthrus_real.server.engine_thread import EngineThread
 
 __all__ = ["ApiError", "ServerContext", "create_app", "error_response"]
 

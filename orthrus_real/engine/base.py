@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from orthrus_real.model_files import read_config
-from orthrus_real.sampling import SamplingParams
-from orthrus_real.settings import executor_config
+from orthrus_real.engine.model_files import read_config
+from orthrus_real.engine.sampling import SamplingParams
+from orthrus_real.engine.settings import executor_config
 from orthrus_sim.costmodel.predictor import calibrated_predictor
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine import (

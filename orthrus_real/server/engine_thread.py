@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from orthrus_real.engine_base import EngineBase, RequestOutput
+from orthrus_real.engine.base import EngineBase, RequestOutput
 
 log = logging.getLogger("orthrus")
 Sink = Callable[[Any], None]  # receives RequestOutput objects, or an Exception

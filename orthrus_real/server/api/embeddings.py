@@ -7,9 +7,9 @@ import struct
 
 from fastapi import APIRouter, Depends, Request
 
-from orthrus_real.api.bodies import EmbeddingBody
-from orthrus_real.api.context import EMBED, ServerContext, context
-from orthrus_real.api.errors import ApiError
+from orthrus_real.server.api.bodies import EmbeddingBody
+from orthrus_real.server.api.context import EMBED, ServerContext, context
+from orthrus_real.server.api.errors import ApiError
 
 router = APIRouter()
 

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import torch
 
-from orthrus_real import paged_attention
-from orthrus_real.attention import KeptContexts, build_metadata
-from orthrus_real.cpu_gemm import PLAIN, choose_cpu_gemm, resolve_setting
-from orthrus_real.device import choose_device, choose_dtype, keep_large_cpu_buffers
-from orthrus_real.engine_base import EngineBase, RequestOutput, RequestRejected, _State, log
-from orthrus_real.model import Decoder
-from orthrus_real.model_files import read_adapter, read_weights
-from orthrus_real.sampling import sample
-from orthrus_real.static_decode import StaticStep, default_buckets
+from orthrus_real.engine import paged_attention
+from orthrus_real.engine.attention import KeptContexts, build_metadata
+from orthrus_real.engine.base import EngineBase, RequestOutput, RequestRejected, _State, log
+from orthrus_real.engine.cpu_gemm import PLAIN, choose_cpu_gemm, resolve_setting
+from orthrus_real.engine.device import choose_device, choose_dtype, keep_large_cpu_buffers
+from orthrus_real.engine.model import Decoder
+from orthrus_real.engine.model_files import read_adapter, read_weights
+from orthrus_real.engine.sampling import sample
+from orthrus_real.engine.static_decode import StaticStep, default_buckets
 from orthrus_sim.engine import BatchItem, BatchUnit, ItemKind, RequestState, SchedulerConfig
 
 __all__ = ["Engine", "RequestOutput", "RequestRejected"]

@@ -8,10 +8,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from orthrus_real.attention import AttentionMetadata, paged_attention
-from orthrus_real.cpu_gemm import PLAIN, CpuGemm
-from orthrus_real.model_files import DecoderConfig, LoRAAdapter
-from orthrus_real.paged_attention import PagedMetadata, inplace_attention
+from orthrus_real.engine.attention import AttentionMetadata, paged_attention
+from orthrus_real.engine.cpu_gemm import PLAIN, CpuGemm
+from orthrus_real.engine.model_files import DecoderConfig, LoRAAdapter
+from orthrus_real.engine.paged_attention import PagedMetadata, inplace_attention
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:

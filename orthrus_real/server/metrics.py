@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from orthrus_real.engine_base import EngineBase
+from orthrus_real.engine.base import EngineBase
 
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py), so the same dashboards read both
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

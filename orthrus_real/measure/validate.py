@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from orthrus_real.bench import bench, bench_in_process
-from orthrus_real.serving import wait_healthy
+from orthrus_real.measure.bench import bench, bench_in_process
+from orthrus_real.server.serving import wait_healthy
 from orthrus_sim.experiment.plan import engine_plan, is_unified
 from orthrus_sim.experiment.results import results_doc, write_json
 from orthrus_sim.experiment.scenario import Scenario, load_scenario, parse_scenario, scenario_dump
@@ -78,7 +78,7 @@ def _free_port() -> int:
 def run_in_process(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str | None,
                    kv_cache_tokens: int, threads: int, backend: str = "torch") -> dict:
     """The engine in this process, driven without HTTP: the replica the simulator models."""
-    from orthrus_real.serving import build
+    from orthrus_real.server.serving import build
 
     policy, sched = engine_plan(sc, configuration)
     app, runner = build(model_dir, adapter_dir, policy, sched, kv_cache_tokens, max_queued=10**6,
@@ -212,8 +212,8 @@ def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter
     time, which the simulator does not model) instead of the engine in this process; a
     scenario with ``cluster.gpus`` > 1 always is (``serve --replicas``, one engine process per
     replica, ``engine_cpus`` shared out among them)."""
-    from orthrus_real.device import environment_check
-    from orthrus_real.model_files import adapter_rank
+    from orthrus_real.engine.device import environment_check
+    from orthrus_real.engine.model_files import adapter_rank
     from orthrus_sim.sim.run import simulate  # the simulator, only when validating
 
     base = load_scenario(scenario, overrides)

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orthrus_real.api.bodies import ParameterError
+from orthrus_real.server.api.bodies import ParameterError
 
 log = logging.getLogger("orthrus")
 

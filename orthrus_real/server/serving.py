@@ -25,10 +25,10 @@ import time
 
 import uvicorn
 
-from orthrus_real import backends
-from orthrus_real.api import create_app
-from orthrus_real.engine_thread import EngineThread
-from orthrus_real.metrics import EngineMetrics
+from orthrus_real.server import backends
+from orthrus_real.server.api import create_app
+from orthrus_real.server.engine_thread import EngineThread
+from orthrus_real.server.metrics import EngineMetrics
 
 log = logging.getLogger("orthrus")
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
@@ -77,7 +77,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def check_max_model_len(model: str, wanted: int | None) -> None:
     """``--max-model-len`` above the model's own limit is an error (read from config.json, before
     anything loads)."""
-    from orthrus_real.model_files import read_config
+    from orthrus_real.engine.model_files import read_config
 
     if wanted is None:
         return

@@ -27,7 +27,7 @@ from collections import Counter
 
 import torch
 
-from orthrus_real.paged_attention import Q_BLOCK, PagedMetadata, build, empty_metadata
+from orthrus_real.engine.paged_attention import Q_BLOCK, PagedMetadata, build, empty_metadata
 from orthrus_sim.engine.batch import BatchUnit
 
 log = logging.getLogger("orthrus")

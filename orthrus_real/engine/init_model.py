@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from orthrus_real.model_files import LORA_MODULES
+from orthrus_real.engine.model_files import LORA_MODULES
 
 SIZES = {
     # tiny: the test model (fast on CPU, fp32 by default)

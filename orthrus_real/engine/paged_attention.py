@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from orthrus_real.attention import slot_list
+from orthrus_real.engine.attention import slot_list
 from orthrus_sim.engine.batch import BatchUnit
 
 log = logging.getLogger("orthrus")

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from orthrus_real.model_files import DTYPES
+from orthrus_real.engine.model_files import DTYPES
 from orthrus_sim.machine import cpu_flags
 
 log = logging.getLogger("orthrus")
@@ -99,7 +99,7 @@ def environment_check(calibration_path: str, model_dir: str | None = None,
     will predict (``orthrus_sim.machine.environment_warning``)."""
     from pathlib import Path
 
-    from orthrus_real.model_files import read_config
+    from orthrus_real.engine.model_files import read_config
     from orthrus_sim.costmodel import load_calibration
     from orthrus_sim.machine import environment_warning, this_machine
 

@@ -14,10 +14,10 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from orthrus_real.api.bodies import ChatBody, CompletionBody
-from orthrus_real.api.context import GENERATE, ServerContext, context
-from orthrus_real.api.errors import ApiError
-from orthrus_real.sampling import SamplingParams
+from orthrus_real.engine.sampling import SamplingParams
+from orthrus_real.server.api.bodies import ChatBody, CompletionBody
+from orthrus_real.server.api.context import GENERATE, ServerContext, context
+from orthrus_real.server.api.errors import ApiError
 
 router = APIRouter()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orthrus_real.engine_thread import EngineThread
+from orthrus_real.server.engine_thread import EngineThread
 from orthrus_sim.costmodel import (
     CostModel,
     LoRASpec,
@@ -117,7 +117,7 @@ def profile(runner: EngineThread, grid: list[GridPoint], repeats: int = 3, progr
     """Profile through the engine thread, fed from an asyncio client in this thread: the same
     arrangement as serving (and as ``orthrus-real validate``), so the measured iteration times
     include what serving costs around the forward pass."""
-    from orthrus_real.bench import EngineTransport
+    from orthrus_real.measure.bench import EngineTransport
 
     async def go() -> list[dict]:
         transport = EngineTransport(runner)
@@ -155,7 +155,7 @@ def load_scenario_for(seconds: float, seed: int = 1234):
 
 def profile_load(runner: EngineThread, seconds: float, token_range: int = 500) -> list[dict]:
     """Rows from every iteration of a mixed serving load of ``seconds``."""
-    from orthrus_real.bench import EngineTransport, LiveDriver
+    from orthrus_real.measure.bench import EngineTransport, LiveDriver
 
     engine = runner.engine
     first = engine.iterations
@@ -264,8 +264,8 @@ def calibration_engine(model_dir: str, adapter_dir: str | None,
                        kv_cache_tokens: int = 131072, threads: int = 0,
                        backend: str = "torch") -> EngineThread:
     """An engine thread (built and stepped in its own thread, as in serving), started."""
-    from orthrus_real.backends import make_engine
-    from orthrus_real.metrics import EngineMetrics
+    from orthrus_real.server.backends import make_engine
+    from orthrus_real.server.metrics import EngineMetrics
 
     def make():
         return make_engine(backend, model_dir, adapter_dir, "ibs",

@@ -7,9 +7,9 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from orthrus_real.api.bodies import ChatMessage, check_text
-from orthrus_real.api.context import ServerContext, context
-from orthrus_real.api.errors import ApiError, error_response
+from orthrus_real.server.api.bodies import ChatMessage, check_text
+from orthrus_real.server.api.context import ServerContext, context
+from orthrus_real.server.api.errors import ApiError, error_response
 
 router = APIRouter()
 

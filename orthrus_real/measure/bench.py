@@ -89,7 +89,7 @@ class EngineTransport:
         self._ids = 0
 
     async def _submit(self, kind: str, kwargs: dict):
-        from orthrus_real.engine_thread import asyncio_sink
+        from orthrus_real.server.engine_thread import asyncio_sink
 
         self._ids += 1
         q: asyncio.Queue = asyncio.Queue()
@@ -119,7 +119,7 @@ class EngineTransport:
         return out
 
     async def generate(self, ids: list[int], n_out: int, on_token) -> None:
-        from orthrus_real.sampling import SamplingParams
+        from orthrus_real.engine.sampling import SamplingParams
 
         rid, q = await self._submit("generation", {"token_ids": ids, "params": SamplingParams(
             max_tokens=n_out, temperature=0, ignore_eos=True)})

@@ -18,9 +18,9 @@ from functools import partial
 
 from fastapi import Request
 
-from orthrus_real.api.errors import ApiError
-from orthrus_real.engine_base import RequestOutput, RequestRejected
-from orthrus_real.engine_thread import Draining, EngineThread, QueueFull, asyncio_sink
+from orthrus_real.engine.base import RequestOutput, RequestRejected
+from orthrus_real.server.api.errors import ApiError
+from orthrus_real.server.engine_thread import Draining, EngineThread, QueueFull, asyncio_sink
 
 GENERATE, EMBED = "generation", "embedding"
 

@@ -34,7 +34,7 @@ def make_engine(backend: str, model: str, adapter: str | None = None, policy: st
                           gpu_memory_utilization=gpu_memory_utilization, calibration=calibration)
     if gpu_memory_utilization is not None:
         raise ValueError("gpu_memory_utilization applies to --backend vllm only")
-    from orthrus_real.engine import Engine
+    from orthrus_real.engine.torch_engine import Engine
 
     return Engine(model, adapter_dir=adapter, policy=policy, scheduler=scheduler, device=device,
                   dtype=dtype, kv_cache_tokens=kv_cache_tokens, calibration=calibration, **options)
