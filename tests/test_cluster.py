@@ -391,7 +391,7 @@ def test_the_predicting_rules_route_over_real_replicas(tiny_models):
     """The gateway's replicas carry what ``least-predicted-time`` and ``adaptive`` read (the
     plan's cost model, the scheduler config): a long prompt booked on replica 0 sends the next
     embeddings to replica 1, and release empties the books (no processes needed)."""
-    from orthrus_real.cluster.serve import ClusterArgs, make_replicas
+    from orthrus_real.cluster.machine_plan import ClusterArgs, make_replicas
     from orthrus_sim.engine.request import Request, RequestKind
     from orthrus_sim.experiment.routing import make_router
 
@@ -436,7 +436,7 @@ def test_adaptive_placement_packs_generations_over_real_replicas(tiny_models):
     """``--router adaptive`` with a target over the gateway's replicas: while embeddings queue,
     generations are packed onto the decoding side (one replica while it holds the target) and
     embeddings go where they finish first (mostly the other), as in the simulator's cluster."""
-    from orthrus_real.cluster.serve import ClusterArgs, make_replicas
+    from orthrus_real.cluster.machine_plan import ClusterArgs, make_replicas
     from orthrus_sim.engine.request import Request, RequestKind
     from orthrus_sim.experiment.routing import AdaptivePlacement, make_router
 

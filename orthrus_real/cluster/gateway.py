@@ -18,7 +18,6 @@ replica drains and exits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -26,12 +25,12 @@ import uuid
 from pathlib import Path
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 
 from orthrus_real.cluster.metrics_text import merge
-from orthrus_real.cluster.replicas import SERVES, Replica, ServeOptions, stop_all
-from orthrus_real.server.api.errors import BearerAuth, BodyLimit, error_response
+from orthrus_real.cluster.replicas import SERVES, Replica, ServeOptions
+from orthrus_real.server.api.errors import error_response
 from orthrus_sim.engine.request import Request as RoutedRequest
 from orthrus_sim.engine.request import RequestKind
 from orthrus_sim.experiment.routing import make_router
@@ -401,115 +400,3 @@ def _tokenizer(model: str):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path))
-
-
-def create_gateway_app(gateway: Gateway, max_body_bytes: int = 1 << 20,
-                       api_key: str | None = None) -> FastAPI:
-    """The OpenAI routes, ``/health``, ``/metrics`` (aggregated and per replica) and the admin
-    routes over a gateway whose replicas are ready."""
-    from orthrus_sim import __version__
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        gateway.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                           limits=httpx.Limits(max_connections=4096,
-                                                               max_keepalive_connections=256),
-                                           headers=gateway.headers)
-        await gateway.attach()
-        await gateway.load_models()
-        watch = asyncio.create_task(gateway.monitor())
-        try:
-            yield
-        finally:  # after uvicorn drained the gateway: each replica drains and exits
-            watch.cancel()
-            await gateway.client.aclose()
-            if gateway.owns_replicas:
-                log.info("stopping %d replica(s)", len(gateway.replicas))
-                await asyncio.to_thread(stop_all, gateway.replicas)
-
-    app = FastAPI(title="Orthrus cluster", version=__version__, lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key)
-
-    for path, kind in ROUTES.items():
-        async def route(request: Request, _path=path, _kind=kind):
-            return await gateway.forward(request, _path, _kind)
-        app.add_api_route(path, route, methods=["POST"])
-
-    async def any_replica(request: Request):
-        replica = gateway.any_up()
-        if replica is None:
-            return error_response(503, "no replica is up", kind="server_error", code="no_replica")
-        resp = await gateway.client.post(replica.url + request.url.path, content=await request.body(),
-                                         headers={"content-type": "application/json"})
-        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
-
-    for path in ("/tokenize", "/detokenize"):
-        app.add_api_route(path, any_replica, methods=["POST"])
-
-    @app.get("/health")
-    async def health():
-        status, doc = gateway.health()
-        return JSONResponse(doc, status_code=status)
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": gateway.models}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        card = next((m for m in gateway.models if m["id"] == model_id), None)
-        if card is None:
-            return error_response(404, f"model {model_id!r} does not exist; this cluster serves "
-                                       f"{', '.join(m['id'] for m in gateway.models)}", "model",
-                                  code="model_not_found")
-        return card
-
-    @app.get("/metrics")
-    async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(await gateway.metrics(), media_type=CONTENT_TYPE_LATEST)
-
-    def replica_at(index: int) -> Replica | None:
-        return gateway.replicas[index] if 0 <= index < len(gateway.replicas) else None
-
-    def no_replica(index: int):
-        return error_response(404, f"no replica {index}: the cluster has replicas 0-"
-                                   f"{len(gateway.replicas) - 1}", "replica",
-                              code="replica_not_found")
-
-    @app.get("/replicas/{index}/metrics")
-    async def replica_metrics(index: int):
-        replica = replica_at(index)
-        if replica is None:
-            return no_replica(index)
-        if not replica.up:
-            return error_response(503, f"replica {index} is down", kind="server_error",
-                                  code="replica_down")
-        resp = await gateway.client.get(replica.url + "/metrics", timeout=5.0)
-        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
-
-    @app.get("/admin/replicas")
-    async def replicas():
-        return {"replicas": [r.status() for r in gateway.replicas]}
-
-    @app.post("/admin/replicas/{index}/restart")
-    async def restart(index: int):
-        replica = replica_at(index)
-        if replica is None:
-            return no_replica(index)
-        if gateway.draining:
-            return error_response(503, "draining: no restarts", kind="server_error",
-                                  code="draining")
-        if index in gateway.restarting:
-            return JSONResponse({"replica": index, "status": "restarting"}, status_code=202)
-        gateway.background(gateway.restart(replica))
-        return JSONResponse({"replica": index, "status": "restarting"}, status_code=202)
-
-    return app

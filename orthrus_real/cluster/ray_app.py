@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from orthrus_real.cluster.machine_plan import make_replicas
 from orthrus_real.cluster.replicas import Replica, ReplicaSpec, ServeOptions
 
 log = logging.getLogger("orthrus")
@@ -161,7 +162,7 @@ class GatewayIngress:
         self.gateway.owns_replicas = False
 
     def __serve_build_asgi_app__(self):
-        from orthrus_real.cluster.gateway import create_gateway_app
+        from orthrus_real.cluster.gateway_app import create_gateway_app
 
         return create_gateway_app(self.gateway, self.opts.max_body_bytes, self.opts.api_key)
 
@@ -194,8 +195,6 @@ def prepare_ray(address: str, scenario, configuration: str, args, opts: ServeOpt
     """The replicas of the plan as a Ray Serve application on a local Ray instance
     (``local``) or a running Ray cluster (``auto`` or its address); returns what runs it until
     SIGTERM/SIGINT (then the gateway drains and the application shuts down)."""
-    from orthrus_real.cluster.serve import make_replicas
-
     try:
         import ray  # noqa: F401
         from ray import serve  # noqa: F401

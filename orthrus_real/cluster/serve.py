@@ -5,33 +5,17 @@ from __future__ import annotations
 import logging
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-from orthrus_real.cluster.devices import parse_devices
+from orthrus_real.cluster.machine_plan import ClusterArgs, make_replicas, real_scenario
 from orthrus_real.cluster.replicas import (
     Replica,
     ServeOptions,
     check_configuration,
-    plan_replicas,
     stop_all,
 )
 from orthrus_sim.experiment.scenario import Scenario, load_scenario, parse_scenario
 
 log = logging.getLogger("orthrus")
-
-
-@dataclass
-class ClusterArgs:
-    """What ``serve`` was given that shapes the cluster."""
-
-    replicas: int | None
-    configuration: str | None
-    devices: str | None
-    router: str | None
-    threads: int
-    adapter: str | None
-    auto_restart: bool = False
-    start_timeout: float = 300.0
 
 
 def cluster_from_cli(o: dict, chunk: int | str | None):
@@ -72,7 +56,6 @@ def cluster_scenario(scenario: str | None, set_: list[str], knobs: list[str], po
     line's knobs), with this model, its engines' KV capacity and ``--replicas`` GPUs; and the
     configuration served."""
     from orthrus_real.engine.model_files import adapter_rank
-    from orthrus_real.measure.validate import real_scenario
 
     if scenario is None:
         raw = {"name": "serve", "num_requests": 1, "model": opts.model,
@@ -104,25 +87,6 @@ def start_replicas(replicas: list[Replica], opts: ServeOptions, timeout: float) 
         raise
 
 
-def make_replicas(scenario: Scenario, configuration: str, args: ClusterArgs,
-                  replica_type=Replica, **extra) -> list[Replica]:
-    """The replicas of the plan (not started), each with the cost model the simulator gives
-    it (what the rules that predict read)."""
-    import torch
-
-    from orthrus_sim.costmodel import get_hardware
-    from orthrus_sim.costmodel.factors import apply_factors
-    from orthrus_sim.experiment.plan import coefficients, cost_factors
-
-    devices = parse_devices(args.devices, scenario.cluster.gpus,
-                            torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    specs = plan_replicas(scenario, configuration, devices, args.threads, args.adapter)
-    hardware = get_hardware(scenario.hardware)
-    coeffs, factors = coefficients(scenario), cost_factors(scenario)
-    return [replica_type(s, cost=apply_factors(s.plan.cost_model(hardware, coeffs), factors),
-                         **extra) for s in specs]
-
-
 def make_gateway(scenario: Scenario, replicas: list[Replica], opts: ServeOptions,
                  auto_restart: bool, start_timeout: float):
     """The gateway over ``replicas`` with the scenario's routing rule."""
@@ -152,7 +116,7 @@ def serve_cluster(gateway, host: str, port: int, sock: socket.socket, log_level:
     finish), then drain and stop every replica."""
     import uvicorn
 
-    from orthrus_real.cluster.gateway import create_gateway_app
+    from orthrus_real.cluster.gateway_app import create_gateway_app
     from orthrus_real.server.serving import KEEP_ALIVE_S, MAX_HEAD, DrainingServer
 
     app = create_gateway_app(gateway, max_body_bytes, api_key)

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import yaml
 
+from orthrus_real.cluster.machine_plan import real_scenario
 from orthrus_real.measure.bench import bench, bench_in_process
 from orthrus_real.server.serving import wait_healthy
-from orthrus_sim.experiment.plan import engine_plan, is_unified
+from orthrus_sim.experiment.plan import engine_plan
 from orthrus_sim.experiment.results import results_doc, write_json
-from orthrus_sim.experiment.scenario import Scenario, load_scenario, parse_scenario, scenario_dump
+from orthrus_sim.experiment.scenario import Scenario, load_scenario, scenario_dump
 from orthrus_sim.files import safe_name
 
 # metric paths compared (dotted into results.json metrics)
@@ -34,37 +35,6 @@ COMPARED = (
     + ["utilization.busy", "budget_fill"]
     + ["slo.combined.goodput_rps", "slo.embedding.attainment", "slo.generation.attainment"]
 )
-
-
-def real_scenario(scenario: Scenario, model_dir: str, adapter_rank: int | None,
-                  calibration: str | None, kv_cache_tokens: int, gpus: int = 1,
-                  configurations: list[str] | None = None, router: str | None = None) -> Scenario:
-    """The scenario as the simulator must see this machine: ``gpus`` devices (one engine
-    each: a cluster of replicas when more than one) with the calibration's hardware entry,
-    this model and adapter rank, each engine's KV capacity."""
-    from orthrus_real.cluster.replicas import check_configuration
-    from orthrus_sim.costmodel import load_calibration
-
-    raw = scenario_dump(scenario)
-    if configurations:
-        raw["configurations"] = configurations
-    bad = [c for c in raw["configurations"] if not is_unified(c)]
-    if bad and gpus == 1:
-        raise ValueError(f"configurations {bad} need several devices: one engine each (set "
-                         "cluster.gpus, or use orthrus, unified-hetero, unified-homo or "
-                         "unified:<policy>)")
-    for c in bad:
-        check_configuration(c)
-    raw.update(model=model_dir)
-    if calibration:
-        raw.update(hardware=load_calibration(calibration).hardware,
-                   calibration=str(Path(calibration).resolve()))
-    raw["cluster"]["gpus"] = gpus
-    if router:
-        raw["cluster"]["router"] = router
-    raw["embedding"]["lora_rank"] = adapter_rank
-    raw["scheduler"]["num_blocks"] = kv_cache_tokens // raw["scheduler"]["block_size"]
-    return parse_scenario(raw, "scenario (as validated on this machine)")
 
 
 def _free_port() -> int:
