@@ -1,11 +1,14 @@
 """Run every experiment of the brief (§3) with the simulator and write docs/reproduction.md.
 
-Run: python scripts/make_reproduction.py [--quick] [--only NAME,...]
+Run: python scripts/make_reproduction.py [--quick] [--only NAME,...] [--check]
 Each experiment's results (results.json / sweep.json) and PNGs go to docs/reproduction/<name>/;
 the tables in the markdown are read back from those files, so the page shows real runs. Each
 section states the brief's claim, what the simulator shows against it (computed from the
 results), and the measured explanation where they disagree (``docs/reproduction_notes.md``).
 ``--quick`` shortens every simulated duration 6x (a smoke run; the page says so).
+``--check`` runs the experiments into a scratch folder instead and compares every number of
+their results with those in docs/reproduction/ (the simulator is deterministic for a seed, so a
+change that must not change behaviour shows none); it exits 1 on any difference.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -468,15 +472,61 @@ EXPERIMENTS = {"mix_sweep": mix_sweep, "head_of_line": head_of_line, "phased": p
                "frontier": frontier}
 
 
+# what differs between two runs of the same experiment without a change of behaviour
+VOLATILE = {"commit", "version", "seconds", "wall_s", "sim_wall_s", "run_s"}
+
+
+def differences(new, old, path: str = "") -> list[str]:
+    """Where two results documents differ, ignoring provenance and wall times."""
+    if isinstance(new, dict) and isinstance(old, dict):
+        out = [f"{path}.{k}: only in {'the new run' if k in new else 'the stored one'}"
+               for k in set(new) ^ set(old) if k not in VOLATILE]
+        for k in sorted(set(new) & set(old) - VOLATILE):
+            out += differences(new[k], old[k], f"{path}.{k}")
+        return out
+    if isinstance(new, list) and isinstance(old, list):
+        if len(new) != len(old):
+            return [f"{path}: {len(new)} entries against {len(old)}"]
+        return [d for i, (a, b) in enumerate(zip(new, old)) for d in differences(a, b, f"{path}[{i}]")]
+    return [] if new == old else [f"{path}: {new!r} against {old!r}"]
+
+
+def check(names: list[str], quick: bool) -> int:
+    """Run ``names`` into a scratch folder and compare their JSON with docs/reproduction/."""
+    global OUT
+    stored, failures = OUT, 0
+    with tempfile.TemporaryDirectory() as scratch:
+        OUT = Path(scratch)
+        for name in names:
+            EXPERIMENTS[name](quick)
+        for path in sorted(OUT.rglob("*.json")):
+            rel = path.relative_to(OUT)
+            old = stored / rel
+            if not old.exists():
+                console.print(f"[yellow]{rel}: not stored[/]")
+                continue
+            diff = differences(json.loads(path.read_text()), json.loads(old.read_text()))
+            failures += bool(diff)
+            console.print(f"{rel}: " + ("same" if not diff else f"[red]{len(diff)} differences[/]"))
+            for line in diff[:10]:
+                console.print(f"  {line}", highlight=False)
+    OUT = stored
+    return 1 if failures else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated experiments to run")
+    parser.add_argument("--check", action="store_true",
+                        help="compare with docs/reproduction/ instead of writing it")
     args = parser.parse_args()
     only = [x for x in args.only.split(",") if x] or list(EXPERIMENTS)
     unknown = set(only) - set(EXPERIMENTS)
     if unknown:
         raise SystemExit(f"unknown experiments {sorted(unknown)}; known: {', '.join(EXPERIMENTS)}")
+    if args.check:
+        return check(only, args.quick)
     if not args.only and OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True, exist_ok=True)

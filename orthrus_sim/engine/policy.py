@@ -1,4 +1,4 @@
-"""The policy interface and the scheduling steps every policy shares.
+"""The policy interface: what an executor calls, and the one method a policy implements.
 
 A policy owns one replica's queues and KV-cache accounting. An executor (the simulator's replica
 process, the PyTorch engine, the vLLM scheduler plug-in) drives it with three calls::
@@ -11,9 +11,9 @@ process, the PyTorch engine, the vLLM scheduler plug-in) drives it with three ca
 generation requests handed off after their first token (state WAITING, KV to be transferred).
 
 A policy decides only *which* work enters a batch: it implements ``fill(batch, now)`` with the
-public helpers below and the views of ``engine/queues.py``. What it builds on lives one concept
-a file: the queues and waiting work (``queues.py``), KV admission in both modes, holding back
-and preemption (``admission.py``), snapshots (``snapshot.py``) and the simulator's decode-run
+public steps of ``steps.py`` and the views of ``queues.py``. What it builds on lives one concept
+a file: the scheduling steps (``steps.py``), the queues and waiting work (``queues.py``), KV
+admission in both modes, holding back and preemption (``admission.py``), snapshots (``snapshot.py``) and the simulator's decode-run
 fast path (``decode_run.py``). So every policy keeps the same invariants (docs/scheduler.md):
 
 * an embedding reserves blocks for every chunk but its last (``embed_kv_tokens``: the last
@@ -29,20 +29,20 @@ fast path (``decode_run.py``). So every policy keeps the same invariants (docs/s
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 
-from orthrus_sim.engine.admission import KVAdmission
-from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
+from orthrus_sim.engine.batch import BatchUnit, ItemKind
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.iteration_target import IterationTarget, IterationTimePredictor
 from orthrus_sim.engine.queues import EMBEDDING, GENERATION, insert_in_order
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
 from orthrus_sim.engine.snapshot import PolicySnapshot, take_snapshot
+from orthrus_sim.engine.steps import SchedulingSteps
 
 __all__ = ["EMBEDDING", "GENERATION", "Policy", "PolicySnapshot"]
 
 
-class Policy(KVAdmission, abc.ABC):
+class Policy(SchedulingSteps, abc.ABC):
     """Base policy: subclasses implement ``fill`` (and set ``serves`` for single-type replicas).
 
     ``decode_runs``: the simulator may advance runs of identical all-decode iterations at once
@@ -63,7 +63,6 @@ class Policy(KVAdmission, abc.ABC):
     def __init__(self, config: SchedulerConfig | None = None,
                  predictor: IterationTimePredictor | None = None) -> None:
         super().__init__(config or SchedulerConfig())
-        self.target: IterationTarget | None = None
         if self.config.tpot_target_s is not None:
             if predictor is None:
                 raise ValueError(
@@ -74,11 +73,6 @@ class Policy(KVAdmission, abc.ABC):
                                           predictor)
         self.iterations = 0
         self._added = 0
-        self._budget_claim: tuple[str, int] | None = None
-        # state of the iteration being filled
-        self._claimant: Request | None = None  # its turn was taken last iteration: it goes first
-        self._in_batch: set[str] = set()
-        self._embed_cursor = 0
 
     # ----- the interface -----------------------------------------------------------------
     def add(self, request: Request, now: float = 0.0) -> bool:
@@ -103,15 +97,7 @@ class Policy(KVAdmission, abc.ABC):
         return True
 
     def schedule(self, now: float = 0.0) -> BatchUnit:
-        batch = BatchUnit(self.config.token_budget)
-        claim, self._budget_claim = self._budget_claim, None
-        self._claimant = self._requests.get(claim[0]) if claim is not None else None
-        if self._claimant is not None:
-            batch.reserve(*claim)
-        self._in_batch = set()
-        self._embed_cursor = 0
-        self._held_back = 0
-        self._held_for = {}
+        batch = self._start_iteration()
         self.fill(batch, now)
         return batch.finalize()
 
@@ -173,247 +159,10 @@ class Policy(KVAdmission, abc.ABC):
     def _hands_off(self, request: Request) -> bool:
         """True where a generation request leaves after its first token (prefill replicas)."""
         return False
+
     def snapshot(self) -> PolicySnapshot:
         return take_snapshot(self, self._credits_view(),
                              self._budget_claim[0] if self._budget_claim else None)
 
     def _credits_view(self) -> dict[str, float] | None:
         return None
-    # ----- helpers for ``fill`` ---------------------------------------------------------------
-    def next_embedding(self) -> Request | None:
-        """The earliest unfinished embedding with no chunk in this batch yet; a budget
-        claimant (its chunk did not fit last iteration) comes first."""
-        claimant = self._claimant
-        in_batch = self._in_batch
-        if (claimant is not None and claimant.request_id not in in_batch
-                and not claimant.state.is_final):
-            return claimant
-        q = self._embeddings
-        while self._embed_cursor < len(q):
-            req = q[self._embed_cursor]
-            if req.request_id not in in_batch:
-                return req
-            self._embed_cursor += 1
-        return None
-
-    def next_generation(self) -> Request | None:
-        """The generation request whose prompt work comes next: an admitted prompt not yet in
-        this batch (admission order), else the head of the waiting queue."""
-        in_batch = self._in_batch
-        for req in self._prefilling:
-            if req.request_id not in in_batch:
-                return req
-        for req in self._waiting_gen:
-            if req.request_id not in in_batch:
-                return req
-        return None
-
-    def schedule_running(self, batch: BatchUnit) -> int:
-        """Decodes, then the admitted prompts' next chunks (vLLM's order for running work)."""
-        used = self.schedule_decodes(batch)
-        for req in list(self._prefilling):
-            if batch.budget_left <= 0:
-                break
-            if req.request_id not in self._in_batch:
-                used += self._add_prompt_chunk(batch, req)
-        return used
-
-    def schedule_decodes(self, batch: BatchUnit) -> int:
-        """Every running decode, in admission order, while the budget lasts.
-
-        A decode whose next token needs a block it cannot get takes one from the newest
-        generation request holding blocks (recompute preemption, as vLLM does); if it is the
-        newest, it waits for embeddings' blocks when embeddings hold any, else it preempts itself.
-        (This loop runs for every decode of every iteration, hence the inlined arithmetic.)
-        """
-        room = batch.budget_left  # the reservation stays untouched
-        block_size = self.blocks.block_size
-        tables, grow = self.blocks.tables, self.blocks.grow
-        in_batch = self._in_batch
-        check_batch = bool(in_batch)  # usually empty: decodes are scheduled first
-        mark = in_batch.add
-        running = RequestState.RUNNING
-        decode = ItemKind.DECODE
-        item = BatchItem
-        ready: list[BatchItem] = []
-        append = ready.append
-        n = 0
-        for req in list(self._running):
-            generated = req.num_generated
-            if not generated or req.state is not running:
-                continue  # still prefilling, or preempted earlier in this loop
-            computed = req.num_computed
-            seq_len = req.input_len + generated
-            if seq_len - computed != 1:
-                continue
-            rid = req.request_id
-            if check_batch and rid in in_batch:
-                continue
-            if n >= room:
-                break
-            if len(tables[rid]) * block_size < seq_len and not (
-                    grow(rid, seq_len) or self._grow_decode(req, seq_len)):
-                continue
-            append(item(req, decode, computed, 1))
-            mark(rid)
-            n += 1
-        batch.add_decodes(ready)
-        return n
-
-    def _grow_decode(self, req: Request, seq_len: int) -> bool:
-        """Blocks for a decode's next token, preempting newer generation requests if needed."""
-        while not self.blocks.grow(req.request_id, seq_len):
-            victim = None
-            for r in reversed(self._running):  # newest first, down to the decode itself
-                if r is req:
-                    break
-                if r.request_id not in self._in_batch:
-                    victim = r
-                    break
-            if victim is not None:
-                self._preempt(victim)
-                continue
-            if self.embedding_blocks():
-                return False  # embeddings give their blocks back within a few iterations
-            self._preempt(req)
-            return False
-        return True
-
-    def schedule_embedding(self, batch: BatchUnit, request: Request, now: float) -> int:
-        """One chunk of ``request`` (``schedule_one(Qe, B)``): its tokens, or 0 if it cannot go
-        this iteration (already in the batch, no request slot, no KV blocks, or the chunk does
-        not fit the budget left: chunks are never split; that one claims the next batch).
-        Admission takes the blocks of every chunk but the last (``embed_kv_tokens``)."""
-        rid = request.request_id
-        if rid in self._in_batch or request.state.is_final:
-            return 0
-        n = self._embed_chunk_len(request)
-        waiting = request.state is RequestState.WAITING
-        need = 0
-        if waiting:
-            if self._embed_slots_full():
-                return 0
-            need = self.blocks.blocks_for(self.embed_kv_tokens(request))
-            if not (self._kv_allows(need, rid) and self._reserve_fits(need, rid)):
-                self._hold_back(rid, need)
-                return 0
-        if n > batch.budget_for(rid):
-            if self._budget_claim is None:
-                self._budget_claim = (rid, n)
-            if waiting:
-                self._hold_back(rid, need)
-            return 0
-        if self.target is not None:
-            n = self.target.tokens_within(batch, request, ItemKind.EMBED_CHUNK, n)
-            if not n:
-                return 0  # beside these decodes no chunk meets the target: it waits
-        n = self._embed_chunk_kv(request, n, need)
-        if not n:
-            return 0
-        end = request.num_computed + n
-        stores = end if end < request.input_len else 0  # the last chunk stores nothing
-        if waiting:
-            self._admit(request, max(self.embed_kv_tokens(request), stores), now)
-        elif not self.blocks.grow(rid, stores):
-            raise RuntimeError(f"request {rid}: embedding chunk scheduled without its blocks")
-        batch.add(request, ItemKind.EMBED_CHUNK, n)
-        self._in_batch.add(rid)
-        return n
-
-    def _embed_chunk_kv(self, request: Request, n: int, need: int) -> int:
-        """Tokens of a chunk of ``n`` whose keys and values (if it is not the last chunk) the
-        cache can hold. Chunks of ``chunk_size`` fit what admission took; a chunk the
-        iteration-time target cut short moves the last chunk later, so a later chunk may need
-        more: the blocks grow where they fit (``need``: what a waiting request's admission
-        takes anyway, else 0); else the chunk ends where its blocks end, and an admitted
-        embedding with none past its start sends its remainder (at most ``chunk_size``
-        tokens) as its last chunk, over the target once, so that it always completes; a
-        waiting one waits."""
-        start = request.num_computed
-        end = start + n
-        if end >= request.input_len or self.config.embedding_kv == "all":
-            return n
-        rid = request.request_id
-        waiting = request.state is RequestState.WAITING
-        base = need if waiting else self.blocks.held(rid)
-        extra = self.blocks.blocks_for(end) - base
-        if extra <= 0:
-            return n
-        if self._kv_allows(need + extra, rid) and self._reserve_fits(need + extra, rid):
-            return n
-        room = base * self.blocks.block_size - start
-        if room > 0:
-            return room
-        if waiting:
-            self._hold_back(rid, need + extra)
-            return 0
-        return request.input_len - start
-
-    def schedule_generation(self, batch: BatchUnit, request: Request, now: float) -> int:
-        """The next prompt chunk of ``request`` (``schedule_one(Qg, B)``), admitting it if it is
-        waiting: its tokens, or 0 if it cannot go (sequence cap, no budget, no KV blocks)."""
-        rid = request.request_id
-        if rid in self._in_batch or request.state.is_final:
-            return 0
-        left = batch.budget_for(rid)
-        if left <= 0:
-            return 0
-        if self.target is not None and not request.is_decode:
-            left = self.target.tokens_within(batch, request, ItemKind.PREFILL_CHUNK,
-                                             min(request.num_uncomputed, left))
-            if not left:
-                return 0
-        if request.state is RequestState.WAITING:
-            if len(self._running) >= self.config.max_num_seqs:
-                return 0
-            if not self._kv_allows(self.blocks.extra_blocks(rid, request.seq_len), rid):
-                return 0
-            if not self._reserve_fits(self._final_blocks(request), rid):
-                return 0
-            self._admit(request, request.seq_len, now)
-            self._waiting_gen.remove(request)
-            self._running.append(request)
-            if not request.is_decode:
-                self._prefilling.append(request)
-        return self._add_prompt_chunk(batch, request, left)
-
-    def _add_prompt_chunk(self, batch: BatchUnit, request: Request, limit: int | None = None) -> int:
-        """An admitted request's next tokens, chunked to the budget left (or its decode) and,
-        with an iteration-time target, to what meets it (``limit``: already so cut)."""
-        n = min(request.num_uncomputed, batch.budget_for(request.request_id))
-        if limit is not None:
-            n = min(n, limit)
-        elif self.target is not None and n > 0 and not request.is_decode:
-            n = self.target.tokens_within(batch, request, ItemKind.PREFILL_CHUNK, n)
-        if n <= 0:
-            return 0
-        batch.add(request, ItemKind.DECODE if request.is_decode else ItemKind.PREFILL_CHUNK, n)
-        self._in_batch.add(request.request_id)
-        return n
-
-    def fill_fcfs(self, batch: BatchUnit, now: float, kinds: Iterable[RequestKind]) -> int:
-        """Admit new work in one global arrival order, stopping at the first that cannot go; a
-        budget claimant goes first (its turn came last iteration)."""
-        kinds = set(kinds)
-        used = 0
-        claimant = self._claimant
-        if claimant is not None and claimant.kind in kinds and claimant.request_id not in self._in_batch:
-            used += self.schedule_embedding(batch, claimant, now)
-        while True:
-            emb = self.next_embedding() if EMBEDDING in kinds else None
-            gen = self.next_generation() if GENERATION in kinds else None
-            if emb is None and gen is None:
-                break
-            if gen is None or (emb is not None and emb.order < gen.order):
-                n = self.schedule_embedding(batch, emb, now)
-            else:
-                n = self.schedule_generation(batch, gen, now)
-            if n == 0:
-                break
-            used += n
-        return used
-
-    def _embed_chunk_len(self, request: Request) -> int:
-        size = self.config.chunk_size
-        remaining = request.num_uncomputed
-        return remaining if size is None else min(size, remaining)

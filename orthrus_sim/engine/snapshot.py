@@ -3,11 +3,12 @@ tests), so that none of them reads the policy's queues."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from orthrus_sim.engine.policy import Policy
+from orthrus_sim.engine.kv_cache import BlockManager
+from orthrus_sim.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,23 @@ class PolicySnapshot:
         return self.kv_blocks_used / self.kv_blocks_total
 
 
-def take_snapshot(policy: Policy, credits: dict[str, float] | None,
+class SnapshotSource(Protocol):
+    """What a snapshot reads of a policy (``Policy`` is one): its views, never its queues."""
+
+    name: str
+    blocks: BlockManager
+    preemptions: Mapping[str, int]
+    iterations: int
+
+    def waiting_work(self) -> tuple[int, int]: ...
+    def embeddings(self) -> Sequence[Request]: ...
+    def waiting_generations(self) -> Sequence[Request]: ...
+    def running_generations(self) -> Sequence[Request]: ...
+    def holds_kv(self, request_id: str) -> bool: ...
+    def embedding_blocks(self) -> int: ...
+
+
+def take_snapshot(policy: SnapshotSource, credits: dict[str, float] | None,
                   budget_claim: str | None) -> PolicySnapshot:
     we, wg = policy.waiting_work()
     embeddings = policy.embeddings()

@@ -1,0 +1,283 @@
+"""The scheduling steps every policy's ``fill`` is made of: pick the next embedding or
+generation request, schedule the running decodes and prompts, one embedding chunk, one prompt
+chunk, or new work in one global arrival order. Each step keeps the invariants of
+docs/scheduler.md (an admitted embedding always completes, a decode preempts only newer
+generation requests, a chunk that does not fit claims the next batch) and, with an
+iteration-time target, cuts its chunk to what meets it. ``Policy`` (``policy.py``) drives them
+once per iteration; a policy of one's own calls them from its ``fill``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from orthrus_sim.engine.admission import KVAdmission
+from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
+from orthrus_sim.engine.config import SchedulerConfig
+from orthrus_sim.engine.iteration_target import IterationTarget
+from orthrus_sim.engine.queues import EMBEDDING, GENERATION
+from orthrus_sim.engine.request import Request, RequestKind, RequestState
+
+
+class SchedulingSteps(KVAdmission):
+    """The public helpers for ``fill`` and the state of the iteration being filled."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.target: IterationTarget | None = None  # the iteration-time target, if any
+        self._budget_claim: tuple[str, int] | None = None  # (request, tokens) for next batch
+        # state of the iteration being filled
+        self._claimant: Request | None = None  # its turn was taken last iteration: it goes first
+        self._in_batch: set[str] = set()
+        self._embed_cursor = 0
+
+    def _start_iteration(self) -> BatchUnit:
+        """An empty batch, with last iteration's budget claim reserved, and fresh per-iteration
+        state (nothing in the batch, nothing held back)."""
+        batch = BatchUnit(self.config.token_budget)
+        claim, self._budget_claim = self._budget_claim, None
+        self._claimant = self._requests.get(claim[0]) if claim is not None else None
+        if self._claimant is not None:
+            batch.reserve(*claim)
+        self._in_batch = set()
+        self._embed_cursor = 0
+        self._held_back = 0
+        self._held_for = {}
+        return batch
+
+    def next_embedding(self) -> Request | None:
+        """The earliest unfinished embedding with no chunk in this batch yet; a budget
+        claimant (its chunk did not fit last iteration) comes first."""
+        claimant = self._claimant
+        in_batch = self._in_batch
+        if (claimant is not None and claimant.request_id not in in_batch
+                and not claimant.state.is_final):
+            return claimant
+        q = self._embeddings
+        while self._embed_cursor < len(q):
+            req = q[self._embed_cursor]
+            if req.request_id not in in_batch:
+                return req
+            self._embed_cursor += 1
+        return None
+
+    def next_generation(self) -> Request | None:
+        """The generation request whose prompt work comes next: an admitted prompt not yet in
+        this batch (admission order), else the head of the waiting queue."""
+        in_batch = self._in_batch
+        for req in self._prefilling:
+            if req.request_id not in in_batch:
+                return req
+        for req in self._waiting_gen:
+            if req.request_id not in in_batch:
+                return req
+        return None
+
+    def schedule_running(self, batch: BatchUnit) -> int:
+        """Decodes, then the admitted prompts' next chunks (vLLM's order for running work)."""
+        used = self.schedule_decodes(batch)
+        for req in list(self._prefilling):
+            if batch.budget_left <= 0:
+                break
+            if req.request_id not in self._in_batch:
+                used += self._add_prompt_chunk(batch, req)
+        return used
+
+    def schedule_decodes(self, batch: BatchUnit) -> int:
+        """Every running decode, in admission order, while the budget lasts.
+
+        A decode whose next token needs a block it cannot get takes one from the newest
+        generation request holding blocks (recompute preemption, as vLLM does); if it is the
+        newest, it waits for embeddings' blocks when embeddings hold any, else it preempts itself.
+        (This loop runs for every decode of every iteration, hence the inlined arithmetic.)
+        """
+        room = batch.budget_left  # the reservation stays untouched
+        block_size = self.blocks.block_size
+        tables, grow = self.blocks.tables, self.blocks.grow
+        in_batch = self._in_batch
+        check_batch = bool(in_batch)  # usually empty: decodes are scheduled first
+        mark = in_batch.add
+        running = RequestState.RUNNING
+        decode = ItemKind.DECODE
+        item = BatchItem
+        ready: list[BatchItem] = []
+        append = ready.append
+        n = 0
+        for req in list(self._running):
+            generated = req.num_generated
+            if not generated or req.state is not running:
+                continue  # still prefilling, or preempted earlier in this loop
+            computed = req.num_computed
+            seq_len = req.input_len + generated
+            if seq_len - computed != 1:
+                continue
+            rid = req.request_id
+            if check_batch and rid in in_batch:
+                continue
+            if n >= room:
+                break
+            if len(tables[rid]) * block_size < seq_len and not (
+                    grow(rid, seq_len) or self._grow_decode(req, seq_len)):
+                continue
+            append(item(req, decode, computed, 1))
+            mark(rid)
+            n += 1
+        batch.add_decodes(ready)
+        return n
+
+    def _grow_decode(self, req: Request, seq_len: int) -> bool:
+        """Blocks for a decode's next token, preempting newer generation requests if needed."""
+        while not self.blocks.grow(req.request_id, seq_len):
+            victim = None
+            for r in reversed(self._running):  # newest first, down to the decode itself
+                if r is req:
+                    break
+                if r.request_id not in self._in_batch:
+                    victim = r
+                    break
+            if victim is not None:
+                self._preempt(victim)
+                continue
+            if self.embedding_blocks():
+                return False  # embeddings give their blocks back within a few iterations
+            self._preempt(req)
+            return False
+        return True
+
+    def schedule_embedding(self, batch: BatchUnit, request: Request, now: float) -> int:
+        """One chunk of ``request`` (``schedule_one(Qe, B)``): its tokens, or 0 if it cannot go
+        this iteration (already in the batch, no request slot, no KV blocks, or the chunk does
+        not fit the budget left: chunks are never split; that one claims the next batch).
+        Admission takes the blocks of every chunk but the last (``embed_kv_tokens``)."""
+        rid = request.request_id
+        if rid in self._in_batch or request.state.is_final:
+            return 0
+        n = self._embed_chunk_len(request)
+        waiting = request.state is RequestState.WAITING
+        need = 0
+        if waiting:
+            if self._embed_slots_full():
+                return 0
+            need = self.blocks.blocks_for(self.embed_kv_tokens(request))
+            if not (self._kv_allows(need, rid) and self._reserve_fits(need, rid)):
+                self._hold_back(rid, need)
+                return 0
+        if n > batch.budget_for(rid):
+            if self._budget_claim is None:
+                self._budget_claim = (rid, n)
+            if waiting:
+                self._hold_back(rid, need)
+            return 0
+        if self.target is not None:
+            n = self.target.tokens_within(batch, request, ItemKind.EMBED_CHUNK, n)
+            if not n:
+                return 0  # beside these decodes no chunk meets the target: it waits
+        n = self._embed_chunk_kv(request, n, need)
+        if not n:
+            return 0
+        end = request.num_computed + n
+        stores = end if end < request.input_len else 0  # the last chunk stores nothing
+        if waiting:
+            self._admit(request, max(self.embed_kv_tokens(request), stores), now)
+        elif not self.blocks.grow(rid, stores):
+            raise RuntimeError(f"request {rid}: embedding chunk scheduled without its blocks")
+        batch.add(request, ItemKind.EMBED_CHUNK, n)
+        self._in_batch.add(rid)
+        return n
+
+    def _embed_chunk_kv(self, request: Request, n: int, need: int) -> int:
+        """Tokens of a chunk of ``n`` whose keys and values (if it is not the last chunk) the
+        cache can hold. Chunks of ``chunk_size`` fit what admission took; a chunk the
+        iteration-time target cut short moves the last chunk later, so a later chunk may need
+        more: the blocks grow where they fit (``need``: what a waiting request's admission
+        takes anyway, else 0); else the chunk ends where its blocks end, and an admitted
+        embedding with none past its start sends its remainder (at most ``chunk_size``
+        tokens) as its last chunk, over the target once, so that it always completes; a
+        waiting one waits."""
+        start = request.num_computed
+        end = start + n
+        if end >= request.input_len or self.config.embedding_kv == "all":
+            return n
+        rid = request.request_id
+        waiting = request.state is RequestState.WAITING
+        base = need if waiting else self.blocks.held(rid)
+        extra = self.blocks.blocks_for(end) - base
+        if extra <= 0:
+            return n
+        if self._kv_allows(need + extra, rid) and self._reserve_fits(need + extra, rid):
+            return n
+        room = base * self.blocks.block_size - start
+        if room > 0:
+            return room
+        if waiting:
+            self._hold_back(rid, need + extra)
+            return 0
+        return request.input_len - start
+
+    def schedule_generation(self, batch: BatchUnit, request: Request, now: float) -> int:
+        """The next prompt chunk of ``request`` (``schedule_one(Qg, B)``), admitting it if it is
+        waiting: its tokens, or 0 if it cannot go (sequence cap, no budget, no KV blocks)."""
+        rid = request.request_id
+        if rid in self._in_batch or request.state.is_final:
+            return 0
+        left = batch.budget_for(rid)
+        if left <= 0:
+            return 0
+        if self.target is not None and not request.is_decode:
+            left = self.target.tokens_within(batch, request, ItemKind.PREFILL_CHUNK,
+                                             min(request.num_uncomputed, left))
+            if not left:
+                return 0
+        if request.state is RequestState.WAITING:
+            if len(self._running) >= self.config.max_num_seqs:
+                return 0
+            if not self._kv_allows(self.blocks.extra_blocks(rid, request.seq_len), rid):
+                return 0
+            if not self._reserve_fits(self._final_blocks(request), rid):
+                return 0
+            self._admit(request, request.seq_len, now)
+            self._waiting_gen.remove(request)
+            self._running.append(request)
+            if not request.is_decode:
+                self._prefilling.append(request)
+        return self._add_prompt_chunk(batch, request, left)
+
+    def _add_prompt_chunk(self, batch: BatchUnit, request: Request, limit: int | None = None) -> int:
+        """An admitted request's next tokens, chunked to the budget left (or its decode) and,
+        with an iteration-time target, to what meets it (``limit``: already so cut)."""
+        n = min(request.num_uncomputed, batch.budget_for(request.request_id))
+        if limit is not None:
+            n = min(n, limit)
+        elif self.target is not None and n > 0 and not request.is_decode:
+            n = self.target.tokens_within(batch, request, ItemKind.PREFILL_CHUNK, n)
+        if n <= 0:
+            return 0
+        batch.add(request, ItemKind.DECODE if request.is_decode else ItemKind.PREFILL_CHUNK, n)
+        self._in_batch.add(request.request_id)
+        return n
+
+    def fill_fcfs(self, batch: BatchUnit, now: float, kinds: Iterable[RequestKind]) -> int:
+        """Admit new work in one global arrival order, stopping at the first that cannot go; a
+        budget claimant goes first (its turn came last iteration)."""
+        kinds = set(kinds)
+        used = 0
+        claimant = self._claimant
+        if claimant is not None and claimant.kind in kinds and claimant.request_id not in self._in_batch:
+            used += self.schedule_embedding(batch, claimant, now)
+        while True:
+            emb = self.next_embedding() if EMBEDDING in kinds else None
+            gen = self.next_generation() if GENERATION in kinds else None
+            if emb is None and gen is None:
+                break
+            if gen is None or (emb is not None and emb.order < gen.order):
+                n = self.schedule_embedding(batch, emb, now)
+            else:
+                n = self.schedule_generation(batch, gen, now)
+            if n == 0:
+                break
+            used += n
+        return used
+
+    def _embed_chunk_len(self, request: Request) -> int:
+        size = self.config.chunk_size
+        remaining = request.num_uncomputed
+        return remaining if size is None else min(size, remaining)
