@@ -8,14 +8,14 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from orthrus_real import serve_options as o
+from orthrus_real.serve_options import BACKEND_HELP, KNOB_HELP
 from orthrus_sim.console import fail, interrupted, make_console, version_option
 
 app = typer.Typer(help="Orthrus real executors.", no_args_is_help=True,
                   pretty_exceptions_enable=False, rich_markup_mode=None)
 console = make_console()
 
-BACKEND_HELP = ("torch (the PyTorch reference engine) | vllm (the vLLM plug-in; needs "
-                "pip install -e '.[vllm]')")
 SCENARIO_HELP = "scenario YAML file, or the name of a shipped scenario"
 
 
@@ -102,121 +102,84 @@ def _settings(scenario, configuration, set_, policy, token_budget=None, chunk_si
     return (*engine_plan(sc, configuration or sc.configurations[0]), sc.calibration)
 
 
-KNOB_HELP = "(default: SchedulerConfig's; any field: --set scheduler.FIELD=VALUE)"
-
-
 @app.command()
 def serve(
-    model: Path = typer.Option(..., "--model", help="model directory (config.json, weights, tokenizer)"),
-    embedding_adapter: Path = typer.Option(None, "--embedding-adapter", help="PEFT LoRA adapter directory"),
-    policy: str = typer.Option("ibs", help="policy name (ibs: Orthrus's IBS) or module:Class"),
-    host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
-    port: int = typer.Option(8000, help="TCP port, 1-65535"),
-    token_budget: int = typer.Option(None, help=f"tokens per iteration {KNOB_HELP}"),
-    chunk_size: str = typer.Option(None, help="tokens per embedding chunk, or none (atomic)"),
-    max_num_seqs: int = typer.Option(None, help="most generation requests running at once"),
-    scenario: str = typer.Option(None, "--scenario", help="take the policy and scheduler knobs from "
-                                 "this scenario's plan (replaces --policy and the knobs above)"),
-    configuration: str = typer.Option(None, "--configuration", help="with --scenario: the unified "
-                                      "configuration to serve (default: its first); with "
-                                      "--replicas also dedicated-E:G"),
-    set_: list[str] = typer.Option([], "--set", help="override a field: with --scenario any "
-                                   "scenario field, else scheduler.FIELD=VALUE"),
-    kv_cache_tokens: int = typer.Option(32768, help="KV-cache capacity in tokens"),
-    max_queued: int = typer.Option(1024, help="requests in flight before 429"),
-    max_body_bytes: int = typer.Option(1 << 20, help="larger request bodies get 413"),
-    served_model_name: str = typer.Option(None, help="model name clients use (default: dir name)"),
-    pooling: str = typer.Option("mean", help="default pooling head for /v1/embeddings"),
-    device: str = typer.Option(None, help="cpu or cuda (default: cuda when present)"),
-    dtype: str = typer.Option(None, help="float32 or bfloat16 (default: by device)"),
-    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default, or one per --cpus)"),
-    cpus: str = typer.Option(None, "--cpus", help="run the server on these CPUs only (0,1 or 0-3), "
-                             "e.g. apart from a bench client on the same machine"),
-    backend: str = typer.Option("torch", help=BACKEND_HELP),
-    max_model_len: int = typer.Option(None, help="longest prompt + output accepted (default: the "
-                                                 "model's)"),
-    api_key: str = typer.Option(None, "--api-key", envvar="ORTHRUS_API_KEY",
-                                help="require 'Authorization: Bearer KEY' (401 without it); an "
-                                     "empty key is refused"),
-    max_inputs_per_request: int = typer.Option(256, help="prompts or embedding inputs one request "
-                                               "may hold (400 above it)"),
-    log_level: str = typer.Option("info", help="critical | error | warning | info | debug"),
-    tpot_target: float = typer.Option(None, "--tpot-target", help="seconds an iteration that "
-                                      "carries decodes may take (predicted; needs --calibration)"),
-    calibration: str = typer.Option(None, "--calibration", help="cost model fitted to this "
-                                    "engine (`orthrus-real calibrate`): predicts iteration times"),
-    replicas: int = typer.Option(None, "--replicas", help="run this many engine replicas behind "
-                                 "one endpoint, placed as the simulator's plan places "
-                                 "--configuration (docs/cluster.md)"),
-    devices: str = typer.Option(None, "--devices", help="with --replicas: each replica's device, "
-                                "cuda:0,cuda:1 or cpu:0,cpu:1 (CPU core sets: cpu:0-1,cpu:2-3)"),
-    router: str = typer.Option(None, "--router", help="with --replicas: the routing rule "
-                               "(orthrus_sim.experiment.routing.ROUTERS; default the scenario's "
-                               "cluster.router, round-robin)"),
-    auto_restart: bool = typer.Option(False, "--auto-restart", help="with --replicas: start a "
-                                      "replica that died again by itself"),
-    ray: str = typer.Option(None, "--ray", help="serve the replicas as a Ray Serve application: "
-                            "local (a Ray instance of this process) or auto / ray://HOST:PORT (a "
-                            "running Ray cluster)"),
-    attention: str = typer.Option(None, "--attention", help="gather (contexts copied out of the "
-                                  "KV cache; default) | paged (the cache read in place)"),
-    cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="capture "
-                                     "decode steps as CUDA graphs (default: on CUDA with "
-                                     "--attention paged)"),
-    static_step: bool = typer.Option(None, "--static-step/--no-static-step", help="run decode "
-                                     "steps padded to fixed shapes (on with --cuda-graphs; on a "
-                                     "CPU: the same path without capture)"),
-    cpu_gemm: str = typer.Option(None, "--cpu-gemm", help="the library of fp32 projections on "
-                                 "a CPU: auto (measure MKL and oneDNN once, take the faster; "
-                                 "default, or ORTHRUS_CPU_GEMM) | mkl | onednn"),
+    model: o.Model, embedding_adapter: o.EmbeddingAdapter = None,
+    served_model_name: o.ServedModelName = None, pooling: o.Pooling = "mean",
+    max_model_len: o.MaxModelLen = None,
+    policy: o.PolicyName = "ibs", token_budget: o.TokenBudget = None,
+    chunk_size: o.ChunkSize = None, max_num_seqs: o.MaxNumSeqs = None,
+    scenario: o.ScenarioFile = None, configuration: o.Configuration = None,
+    set_: o.SetField = [], kv_cache_tokens: o.KvCacheTokens = 32768,  # noqa: B006 (typer's)
+    tpot_target: o.TpotTarget = None, calibration: o.Calibration = None,
+    host: o.Host = "127.0.0.1", port: o.Port = 8000, max_queued: o.MaxQueued = 1024,
+    max_body_bytes: o.MaxBodyBytes = 1 << 20, api_key: o.ApiKey = None,
+    max_inputs_per_request: o.MaxInputsPerRequest = 256, log_level: o.LogLevel = "info",
+    device: o.Device = None, dtype: o.Dtype = None, threads: o.Threads = 0,
+    cpus: o.Cpus = None, backend: o.Backend = "torch", attention: o.Attention = None,
+    cuda_graphs: o.CudaGraphs = None, static_step: o.StaticStep = None,
+    cpu_gemm: o.CpuGemm = None,
+    replicas: o.Replicas = None, devices: o.Devices = None, router: o.Router = None,
+    auto_restart: o.AutoRestart = False, ray: o.Ray = None,
 ) -> None:
     """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine (or from
     --replicas N engines behind one endpoint).
 
     Logs what it loaded, then 'orthrus ready: http://HOST:PORT' once it accepts requests.
     """
-    from orthrus_real.server.serving import bind_socket, build, check_max_model_len, setup_logging
-    from orthrus_real.server.serving import serve as run_server
-
+    options = dict(locals())
     if not 1 <= port <= 65535:
         fail(f"--port must be between 1 and 65535, got {port}")
     try:
-        from orthrus_real.engine.device import parse_cpus, pin_process
-
-        pinned = parse_cpus(cpus)
-        pin_process(pinned)
-        threads = threads or len(pinned or ())
-        setup_logging(log_level)
-        run_cluster = None
-        if max_model_len is not None:  # a field like any other: one path for every override
-            set_ = [*set_, f"scheduler.max_model_len={max_model_len}"]
-        if tpot_target is not None:
-            set_ = [*set_, f"scheduler.tpot_target_s={tpot_target}"]
-        check_max_model_len(str(model), max_model_len)
-        sock = bind_socket(host, port)  # before the model loads: a taken port fails at once
-        if replicas is not None or devices or router or ray or auto_restart:
-            from orthrus_real.cluster.serve import cluster_from_cli
-
-            run_cluster = cluster_from_cli(locals(), _chunk(chunk_size))
-        else:
-            policy, sched, scenario_calibration = _settings(scenario, configuration, set_, policy,
-                                                            token_budget, chunk_size, max_num_seqs)
-            calibration = calibration or scenario_calibration  # a scenario's target: its model
-            app_, runner = build(str(model), str(embedding_adapter) if embedding_adapter else None,
-                                 policy, sched, kv_cache_tokens, max_queued, max_body_bytes,
-                                 served_model_name, device, dtype, pooling, threads, backend,
-                                 api_key, max_inputs_per_request, calibration=calibration,
-                                 engine_options={"attention": attention,
-                                                 "cuda_graphs": cuda_graphs,
-                                                 "static_step": static_step,
-                                                 "cpu_gemm": cpu_gemm})
+        run = _prepare_serving(options)
     except (ValueError, RuntimeError) as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
-    if run_cluster is not None:
-        return run_cluster()
-    run_server(app_, runner, host, port, sock=sock, log_level=log_level)
+    run()
+
+
+def _prepare_serving(o: dict):
+    """Pin the process, bind the port (before the model loads: a taken port fails at once) and
+    build one engine's server or the cluster; returns what runs it until SIGTERM/SIGINT."""
+    from orthrus_real.engine.device import parse_cpus, pin_process
+    from orthrus_real.server.serving import bind_socket, check_max_model_len, setup_logging
+
+    pinned = parse_cpus(o["cpus"])
+    pin_process(pinned)
+    o["threads"] = o["threads"] or len(pinned or ())
+    setup_logging(o["log_level"])
+    for field, value in (("max_model_len", o["max_model_len"]), ("tpot_target_s", o["tpot_target"])):
+        if value is not None:  # a field like any other: one path for every override
+            o["set_"] = [*o["set_"], f"scheduler.{field}={value}"]
+    check_max_model_len(str(o["model"]), o["max_model_len"])
+    o["sock"] = bind_socket(o["host"], o["port"])
+    if o["replicas"] is not None or o["devices"] or o["router"] or o["ray"] or o["auto_restart"]:
+        from orthrus_real.cluster.serve import cluster_from_cli
+
+        return cluster_from_cli(o, _chunk(o["chunk_size"]))
+    return _one_engine_server(o)
+
+
+def _one_engine_server(o: dict):
+    """One engine behind the HTTP API, with the scheduler settings of the scenario's plan or of
+    the command line's knobs."""
+    from orthrus_real.server.serving import build
+    from orthrus_real.server.serving import serve as run_server
+
+    policy, sched, scenario_calibration = _settings(o["scenario"], o["configuration"], o["set_"],
+                                                    o["policy"], o["token_budget"],
+                                                    o["chunk_size"], o["max_num_seqs"])
+    calibration = o["calibration"] or scenario_calibration  # a scenario's target: its model
+    adapter = str(o["embedding_adapter"]) if o["embedding_adapter"] else None
+    engine_options = {k: o[k] for k in ("attention", "cuda_graphs", "static_step", "cpu_gemm")}
+    app_, runner = build(str(o["model"]), adapter, policy, sched, o["kv_cache_tokens"],
+                         o["max_queued"], o["max_body_bytes"], o["served_model_name"], o["device"],
+                         o["dtype"], o["pooling"], o["threads"], o["backend"], o["api_key"],
+                         o["max_inputs_per_request"], calibration=calibration,
+                         engine_options=engine_options)
+    return lambda: run_server(app_, runner, o["host"], o["port"], sock=o["sock"],
+                              log_level=o["log_level"])
 
 
 @app.command()
