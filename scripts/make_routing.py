@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 from pathlib import Path
 
 import yaml
+from doc_sections import write_section  # beside this script
 from rich.console import Console
 
 from orthrus_sim.sweep import run_sweep
@@ -149,16 +149,9 @@ def table(rows: list[dict], name: str) -> list[str]:
 
 
 def write_doc(rows: list[dict]) -> None:
-    text = DOC.read_text()
     for name in EXPERIMENTS:
-        body = "\n".join(table(rows, name))
-        pattern = re.compile(rf"(<!-- make_routing:{name} -->\n)(?:.*?\n)??(<!-- /make_routing -->)",
-                             re.S)
-        if not pattern.search(text):
-            raise SystemExit(f"{DOC}: no <!-- make_routing:{name} --> ... "
-                             "<!-- /make_routing --> markers to write the table between")
-        text = pattern.sub(lambda m, b=body: m.group(1) + b + "\n" + m.group(2), text)
-    DOC.write_text(text)
+        write_section(DOC, f"<!-- make_routing:{name} -->", "<!-- /make_routing -->",
+                      "\n".join(table(rows, name)))
     console.print(f"wrote {DOC}", highlight=False)
 
 
