@@ -2,6 +2,13 @@ import os
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core: each worker's BLAS and OpenMP pools (and the servers
+    # its tests start, which inherit this) take one thread, or the workers' pools oversubscribe
+    # the cores and spin against each other
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
 try:
     from hypothesis import settings
 except ImportError:  # hypothesis comes with the dev extra; a bare install still runs the rest
@@ -24,3 +31,17 @@ def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {fam: init_model(root / fam, fam, "tiny", seed=i, adapter_rank=4)
             for i, fam in enumerate(("llama", "mistral", "qwen2"))}
+
+
+# The files that take longest go first: pytest-xdist (``--dist loadfile``, one worker per core)
+# hands out files in collection order, so the other worker fills in around these instead of one
+# of them starting last and running alone.
+# The two that start many processes (Ray, the cluster) are kept apart: together they starve.
+LONGEST_FIRST = ("test_cluster_ray.py", "test_fit.py", "test_core_properties.py",
+                 "test_real_engine.py", "test_server.py", "test_server_limits.py",
+                 "test_cluster.py", "test_server_isolation.py", "test_calibrate.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept

@@ -21,7 +21,7 @@ def calibration(tiny_models, tmp_path_factory):
     model = tiny_models["llama"]
     res = CliRunner().invoke(app, ["calibrate", "--model", str(model), "--embedding-adapter",
                                    str(model / "adapter"), "--out", str(out), "--quick",
-                                   "--repeats", "1"])
+                                   "--repeats", "1", "--load-seconds", "2"])
     assert res.exit_code == 0, res.output
     return out
 

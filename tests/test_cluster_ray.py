@@ -74,8 +74,8 @@ def test_ray_replica_killed_mid_stream_fails_its_request_and_ray_brings_it_back(
 
 
 def test_ray_sigterm_drains(ray_cluster):
-    chunks = sigterm_mid_stream(ray_cluster, 2400)
-    assert chunks == 2400
+    chunks = sigterm_mid_stream(ray_cluster, 1200)
+    assert chunks == 1200
     assert ray_cluster.proc.wait(120) == 0
     assert "stopped" in ray_cluster.close()
 

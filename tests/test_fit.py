@@ -25,7 +25,7 @@ PRIOR = ROOT / "calibration" / "cpu-2core-small.json"
 
 def scenario_raw(calibration: Path = PRIOR, gen_clients: int = 4) -> dict:
     return {
-        "name": "fit-test", "seed": 3, "duration_s": 20, "warmup_s": 4,
+        "name": "fit-test", "seed": 3, "duration_s": 12, "warmup_s": 3,
         "hardware": "cpu-2core", "model": "orthrus-small", "calibration": str(calibration),
         "cluster": {"gpus": 2},
         "scheduler": {"token_budget": 2048, "chunk_size": 512, "max_num_seqs": 64},

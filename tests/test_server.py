@@ -184,7 +184,7 @@ def test_load_64_clients(tiny_models):
             elif r.status_code == 429:
                 assert r.json()["error"]["code"] == "queue_full"
                 counts["429"] += 1
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.05)  # back off: 32 clients retrying at once starve the server
             else:
                 counts["other"] += 1
                 return
@@ -215,7 +215,7 @@ def test_sigterm_drains_in_flight_requests(tiny_models, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, 60.0, proc)
-        body = {"prompt": [5] * 50, "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
+        body = {"prompt": [5] * 50, "max_tokens": 1000, "ignore_eos": True, "temperature": 0,
                 "stream": True}
         chunks = 0
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
@@ -229,7 +229,7 @@ def test_sigterm_drains_in_flight_requests(tiny_models, tmp_path):
                     late = httpx.post(url + "/v1/embeddings", json={"input": "x"}, timeout=10)
                     assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
                     assert httpx.get(url + "/health", timeout=10).status_code == 503
-        assert chunks == 3000  # the request in flight finished in full
+        assert chunks == 1000  # the request in flight finished in full
         # uvicorn re-raises the captured SIGTERM once it has drained, so the exit is by that signal
         assert proc.wait(60) in (0, -signal.SIGTERM)
         log = proc.stdout.read()
