@@ -1,5 +1,5 @@
 """What vLLM's CPU LoRA path costs per iteration for generation rows, which carry no adapter
-(docs/fidelity.md, "Why the fit-on-baselines predictions missed").
+(docs/history.md#fidelity-issue-22, "Why the fit-on-baselines predictions missed").
 
 A batch without prefill rows (all decodes) takes vLLM's per-token ("bgmv") ops, which gather one
 copy of the adapter weights per row; a batch with a prefill or embedding chunk takes the segment

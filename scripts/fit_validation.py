@@ -73,7 +73,7 @@ COMPARED = [("throughput_rps.embedding", "throughput"), ("throughput_rps.generat
             ("latency_s.ttft.p50", "p50"), ("latency_s.tpot.p50", "p50")]
 # the tables' fit; `--fit-metrics` adds the servers' steps per second ("iterations_per_s"), which
 # on 2026-12-02 changed nothing on vLLM and, on a one-round torch run whose baselines ran slow,
-# pinned that slowness harder (docs/fidelity.md, issue 22 (f))
+# pinned that slowness harder (docs/history.md#fidelity-issue-22, (f))
 FIT_METRICS = ["throughput_rps.embedding", "throughput_rps.generation", "utilization.busy",
                "latency_s.*.p50", "latency_s.*.p95"]
 START = "<!-- fit-validation: written by scripts/fit_validation.py -->"

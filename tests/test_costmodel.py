@@ -206,7 +206,7 @@ def test_fit_iterations_recovers_overheads():
 @pytest.mark.parametrize("name, engine", [("cpu-1core-small.json", "torch"),
                                           ("cpu-1core-small-vllm.json", "vllm")])
 def test_shipped_one_core_priors_say_where_they_come_from(name, engine):
-    """The priors scripts/fit_validation.py scales (docs/fidelity.md (g)): the engine, its
+    """The priors scripts/fit_validation.py scales (docs/history.md#fidelity-issue-22, (g)): the engine, its
     threads and dtype recorded, their raw rows shipped beside them, and a held-out error."""
     cal = load_calibration(ROOT / "calibration" / name)
     env = cal.environment

@@ -13,8 +13,9 @@ generation requests handed off after their first token (state WAITING, KV to be 
 A policy decides only *which* work enters a batch: it implements ``fill(batch, now)`` with the
 public steps of ``steps.py`` and the views of ``queues.py``. What it builds on lives one concept
 a file: the scheduling steps (``steps.py``), the queues and waiting work (``queues.py``), KV
-admission in both modes, holding back and preemption (``admission.py``), snapshots (``snapshot.py``) and the simulator's decode-run
-fast path (``decode_run.py``). So every policy keeps the same invariants (docs/scheduler.md):
+admission in both modes, holding back and preemption (``admission.py``), snapshots
+(``snapshot.py``) and the simulator's decode-run fast path (``decode_run.py``). So every
+policy keeps the same invariants (docs/scheduler.md):
 
 * an embedding reserves blocks for every chunk but its last (``embed_kv_tokens``: the last
   chunk's keys and values are read in its own pass only, so a one-chunk embedding takes none)
