@@ -33,10 +33,11 @@ def tiny_models(tmp_path_factory):
             for i, fam in enumerate(("llama", "mistral", "qwen2"))}
 
 
-# The files that take longest go first: pytest-xdist (``--dist loadfile``, one worker per core)
-# hands out files in collection order, so the other worker fills in around these instead of one
-# of them starting last and running alone.
-# The two that start many processes (Ray, the cluster) are kept apart: together they starve.
+# The files that take longest go first: pytest-xdist (one worker per core, whole files to a
+# worker: see pytest_xdist_make_scheduler) hands out files in collection order, so the other
+# worker fills in around these instead of one of them starting last and running alone. With two
+# workers the two that start many processes (Ray, the cluster) do not start together (they starve
+# each other); with more workers they may.
 LONGEST_FIRST = ("test_cluster_ray.py", "test_fit.py", "test_core_properties.py",
                  "test_real_engine.py", "test_server.py", "test_server_limits.py",
                  "test_cluster.py", "test_server_isolation.py", "test_calibrate.py")
@@ -45,3 +46,16 @@ LONGEST_FIRST = ("test_cluster_ray.py", "test_fit.py", "test_core_properties.py"
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` (xdist's default ``--dist load``): whole files to a worker, so that a module's
+    servers and clusters start once, in collection order (xdist's own puts the files with the
+    most tests first). An explicit other ``--dist`` is left alone."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)

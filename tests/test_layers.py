@@ -64,13 +64,17 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in files.items():
         targets = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{name}: a relative import (the house uses absolute ones)"
                 for alias in node.names:  # ``from pkg import module`` names the module
                     sub = f"{node.module}.{alias.name}"
                     targets.add(sub if sub in files else node.module)
             elif isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
-        graph[name] = {t for t in targets if t in files and t != name}
+        # importing a.b.c runs a/__init__ and a/b/__init__ too, unless the importer is inside them
+        own = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
+        parents = {t.rsplit(".", i)[0] for t in targets for i in range(1, t.count(".") + 1)}
+        graph[name] = {t for t in targets | (parents - own) if t in files and t != name}
     return graph
 
 
@@ -102,14 +106,28 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+COMMAND_LINE = ("cli", "serve_options")  # orthrus_real's top-level modules: the top floor
+
+
 def real_room(module: str) -> str:
     """``orthrus_real.server.api.errors`` -> ``server``; the command line's modules -> ``cli``."""
+    if module == "orthrus_real":
+        return "engine"  # the package's __init__, empty: below everything
     room = module.split(".")[1]
-    return room if room in REAL_FLOORS else "cli"
+    if room in COMMAND_LINE:
+        return "cli"
+    assert room in REAL_FLOORS, f"{module}: room {room!r} is on no floor of REAL_FLOORS"
+    return room
 
 
 def test_no_two_modules_import_each_other_in_any_circle():
     assert cycles(import_graph()) == []
+
+
+def test_every_orthrus_real_module_is_in_a_known_room():
+    for module in import_graph():
+        if module.startswith("orthrus_real"):
+            real_room(module)
 
 
 def test_cycle_finder_finds_a_pair_and_a_ring():

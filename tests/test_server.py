@@ -184,7 +184,7 @@ def test_load_64_clients(tiny_models):
             elif r.status_code == 429:
                 assert r.json()["error"]["code"] == "queue_full"
                 counts["429"] += 1
-                await asyncio.sleep(0.05)  # back off: 32 clients retrying at once starve the server
+                await asyncio.sleep(0.05)  # back off: clients retrying at once starve the server
             else:
                 counts["other"] += 1
                 return

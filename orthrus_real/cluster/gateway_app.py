@@ -80,7 +80,7 @@ def relay_routes(gateway: Gateway) -> APIRouter:
     return router
 
 
-def cluster_routes(gateway: Gateway, version: str) -> APIRouter:
+def cluster_routes(gateway: Gateway, app_version: str) -> APIRouter:
     """What the cluster is: its health, version, models and aggregated metrics."""
     router = APIRouter()
 
@@ -90,8 +90,8 @@ def cluster_routes(gateway: Gateway, version: str) -> APIRouter:
         return JSONResponse(doc, status_code=status)
 
     @router.get("/version")
-    async def version_route():
-        return {"version": version}
+    async def version():
+        return {"version": app_version}
 
     @router.get("/v1/models")
     async def models():
