@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from orthrus_real import serve_options as o
+from orthrus_real import serve_options as opt
 from orthrus_real.serve_options import BACKEND_HELP, KNOB_HELP
 from orthrus_sim.console import fail, interrupted, make_console, version_option
 
@@ -104,23 +104,23 @@ def _settings(scenario, configuration, set_, policy, token_budget=None, chunk_si
 
 @app.command()
 def serve(
-    model: o.Model, embedding_adapter: o.EmbeddingAdapter = None,
-    served_model_name: o.ServedModelName = None, pooling: o.Pooling = "mean",
-    max_model_len: o.MaxModelLen = None,
-    policy: o.PolicyName = "ibs", token_budget: o.TokenBudget = None,
-    chunk_size: o.ChunkSize = None, max_num_seqs: o.MaxNumSeqs = None,
-    scenario: o.ScenarioFile = None, configuration: o.Configuration = None,
-    set_: o.SetField = [], kv_cache_tokens: o.KvCacheTokens = 32768,  # noqa: B006 (typer's)
-    tpot_target: o.TpotTarget = None, calibration: o.Calibration = None,
-    host: o.Host = "127.0.0.1", port: o.Port = 8000, max_queued: o.MaxQueued = 1024,
-    max_body_bytes: o.MaxBodyBytes = 1 << 20, api_key: o.ApiKey = None,
-    max_inputs_per_request: o.MaxInputsPerRequest = 256, log_level: o.LogLevel = "info",
-    device: o.Device = None, dtype: o.Dtype = None, threads: o.Threads = 0,
-    cpus: o.Cpus = None, backend: o.Backend = "torch", attention: o.Attention = None,
-    cuda_graphs: o.CudaGraphs = None, static_step: o.StaticStep = None,
-    cpu_gemm: o.CpuGemm = None,
-    replicas: o.Replicas = None, devices: o.Devices = None, router: o.Router = None,
-    auto_restart: o.AutoRestart = False, ray: o.Ray = None,
+    model: opt.Model, embedding_adapter: opt.EmbeddingAdapter = None,
+    served_model_name: opt.ServedModelName = None, pooling: opt.Pooling = "mean",
+    max_model_len: opt.MaxModelLen = None,
+    policy: opt.PolicyName = "ibs", token_budget: opt.TokenBudget = None,
+    chunk_size: opt.ChunkSize = None, max_num_seqs: opt.MaxNumSeqs = None,
+    scenario: opt.ScenarioFile = None, configuration: opt.Configuration = None,
+    set_: opt.SetField = [], kv_cache_tokens: opt.KvCacheTokens = 32768,  # noqa: B006 (typer's)
+    tpot_target: opt.TpotTarget = None, calibration: opt.Calibration = None,
+    host: opt.Host = "127.0.0.1", port: opt.Port = 8000, max_queued: opt.MaxQueued = 1024,
+    max_body_bytes: opt.MaxBodyBytes = 1 << 20, api_key: opt.ApiKey = None,
+    max_inputs_per_request: opt.MaxInputsPerRequest = 256, log_level: opt.LogLevel = "info",
+    device: opt.Device = None, dtype: opt.Dtype = None, threads: opt.Threads = 0,
+    cpus: opt.Cpus = None, backend: opt.Backend = "torch", attention: opt.Attention = None,
+    cuda_graphs: opt.CudaGraphs = None, static_step: opt.StaticStep = None,
+    cpu_gemm: opt.CpuGemm = None,
+    replicas: opt.Replicas = None, devices: opt.Devices = None, router: opt.Router = None,
+    auto_restart: opt.AutoRestart = False, ray: opt.Ray = None,
 ) -> None:
     """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine (or from
     --replicas N engines behind one endpoint).
