@@ -22,7 +22,6 @@ from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from scipy.optimize import least_squares
 
 from orthrus_sim.costmodel.coefficients import Coefficients, OpCoeffs, default_ops
 from orthrus_sim.costmodel.cost import CostModel
@@ -228,6 +227,8 @@ def fit_operator(samples: Sequence[OperatorSample], hardware: Hardware,
 
     x0 = [math.log(start.compute_eff), math.log(start.memory_eff),
           math.log(max(start.sharpness - 1.0, 0.1)), -2.0]
+    from scipy.optimize import least_squares  # only fits need scipy: a simulation starts faster
+
     res = least_squares(lambda x: predict(unpack(x)) / y - 1.0, x0,
                         bounds=([-8, -8, -3, -6], [2 if has_compute else 0.1, 3, 3, 6]),
                         loss="soft_l1", f_scale=0.02)
@@ -282,6 +283,8 @@ def fit_iterations(cost: CostModel, samples: Sequence[tuple[BatchShape, float]],
     lo = np.full_like(x0, -6.0)
     hi = np.full_like(x0, 3.0)
     lo[-2:], hi[-2:] = math.log(1e-7), math.log(1.0)
+    from scipy.optimize import least_squares
+
     res = least_squares(lambda x: predict(_scaled(base, x), train) / y - 1.0, x0,
                         bounds=(lo, hi))
     fitted = _scaled(base, res.x)
