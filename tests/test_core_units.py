@@ -375,22 +375,23 @@ def test_unified_homo_gets_no_decode_run_while_an_embedding_waits():
     """The issue's reproduction: Unified-Homo picks its side by waiting time, so a run of
     decodes announced while an embedding waits would be wrong (the next schedule picks the
     embedding)."""
-    from orthrus_sim.engine.decode_run import steady_decode_phases
+    from orthrus_sim.engine.decode_run import decode_run_length
 
     def steps(clock_free: bool):
         policy = make_policy("unified-homo", SchedulerConfig(token_budget=64, chunk_size=64))
         policy.clock_free = clock_free
+        policy.use_cohort()
         policy.add(Request("g", RequestKind.GENERATION, 0.0, 8, max_output_tokens=10), 0.0)
         policy.complete(policy.schedule(0.0), 1.0)
         policy.add(Request("e1", RequestKind.EMBEDDING, 0.5, 64), 0.5)
         policy.complete(policy.schedule(1.0), 2.0)
         policy.add(Request("e2", RequestKind.EMBEDDING, 1.5, 64), 1.5)
         batch = policy.schedule(2.0)
-        phases = steady_decode_phases(policy, batch)
+        run = decode_run_length(policy, batch)
         policy.complete(batch, 3.0)
-        return phases, policy.schedule(3.0)
+        return run, policy.schedule(3.0)
 
-    phases, after = steps(clock_free=False)
-    assert phases == [] and any(it.kind is ItemKind.EMBED_CHUNK for it in after.items)
-    phases, _ = steps(clock_free=True)  # as before the fix: a 9-step run the next batch breaks
-    assert phases and phases[-1][0] == 9
+    run, after = steps(clock_free=False)
+    assert run == 0 and any(it.kind is ItemKind.EMBED_CHUNK for it in after.items)
+    run, _ = steps(clock_free=True)  # as before the fix: a 9-step run the next batch breaks
+    assert run == 9

@@ -24,12 +24,22 @@ class CostModelPredictor:
         self._batch: BatchUnit | None = None
         self._seen = 0
         self._shape = BatchShape()
+        self._cohort = self._kv = 0  # the cohort segment counted so far
 
     def predict(self, batch: BatchUnit, extra: BatchItem | None = None) -> float:
         items = batch.items
         if batch is not self._batch or len(items) < self._seen:
             self._batch, self._seen, self._shape = batch, 0, BatchShape()
+            self._cohort = self._kv = 0
         shape, adapter = self._shape, self.adapter
+        if batch.cohort_decodes != self._cohort:  # the decode cohort's segment (engine/cohort.py)
+            n, self._cohort = batch.cohort_decodes - self._cohort, batch.cohort_decodes
+            shape.tokens += n
+            shape.num_seqs += n
+            shape.decodes += n
+            shape.sample_rows += n
+            shape.decode_kv = shape.decode_kv - self._kv + batch.cohort_kv
+            self._kv = batch.cohort_kv
         for it in items[self._seen:]:
             shape.add_item(it.kind, it.num_tokens, it.start, it.samples, adapter)
         self._seen = len(items)

@@ -68,12 +68,14 @@ class BatchShape:
                 break
             shape.add_item(it.kind, it.num_tokens, it.start, it.samples, adapter)
         n = len(items) - first_decode
+        kv = sum([it.start for it in items[first_decode:]]) + n if n else 0
+        n += batch.cohort_decodes
         if n:  # the common case, in bulk
             shape.tokens += n
             shape.num_seqs += n
             shape.decodes += n
             shape.sample_rows += n
-            shape.decode_kv += sum([it.start for it in items[first_decode:]]) + n
+            shape.decode_kv += kv + batch.cohort_kv
         return shape
 
     @classmethod

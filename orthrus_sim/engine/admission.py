@@ -92,6 +92,7 @@ class KVAdmission(Queues):
         embedding takes are blocks a running decode may need."""
         if self.config.kv_admission != "reserve":
             return True
+        self._sync_cohort()  # the running decodes' sizes, as they stand
         projected = sum(self._final_blocks(r) for r in self._running)
         held_for_others = self._held_back - self._held_for.get(request_id, 0)
         return (projected + self.embedding_blocks() + held_for_others + blocks
@@ -126,6 +127,7 @@ class KVAdmission(Queues):
         held = self._holding.pop(rid, None) is not None
         self._embeds_holding.pop(rid, None)
         self._requests.pop(rid, None)
+        self._running_order.pop(rid, None)
         self._unqueue_work(request)
         if request.is_embedding:
             if request in self._embeddings:
@@ -144,6 +146,7 @@ class KVAdmission(Queues):
         """Recompute-preemption: free the victim's blocks and put it back in its queue."""
         self.blocks.free(victim.request_id)
         del self._holding[victim.request_id]
+        self._running_order.pop(victim.request_id, None)
         self._embeds_holding.pop(victim.request_id, None)
         victim.transition(RequestState.WAITING)
         victim.reset_for_recompute()

@@ -53,7 +53,11 @@ _KIND = attrgetter("kind")
 class BatchUnit:
     """The items of one iteration. ``reserve`` sets tokens of the budget aside for one request
     (a budget claim, docs/scheduler.md): ``budget_left`` excludes them for everyone else, and
-    ``budget_for`` that request includes them."""
+    ``budget_for`` that request includes them.
+
+    In the simulator's fast path the running decodes come as one segment, the decode cohort
+    (``engine/cohort.py``): ``cohort_decodes`` decodes reading ``cohort_kv`` KV rows, counted
+    in every total but with no item each. Real executors never get one."""
 
     token_budget: int
     items: list[BatchItem] = field(default_factory=list)
@@ -61,6 +65,8 @@ class BatchUnit:
     reserved: int = 0
     reserved_for: str | None = None
     num_decodes: int = 0
+    cohort_decodes: int = 0
+    cohort_kv: int = 0
     _sorted: bool = field(default=True, repr=False)
 
     def add(self, request: Request, kind: ItemKind, num_tokens: int) -> BatchItem:
@@ -82,6 +88,13 @@ class BatchUnit:
             self.total_tokens += len(items)
             self.num_decodes += len(items)
 
+    def add_cohort(self, decodes: int, kv_rows: int) -> None:
+        """The decode cohort's segment: ``decodes`` one-token decodes reading ``kv_rows``."""
+        self.total_tokens += decodes
+        self.num_decodes += decodes
+        self.cohort_decodes += decodes
+        self.cohort_kv += kv_rows
+
     def reserve(self, request_id: str | None, num_tokens: int) -> None:
         """Set ``num_tokens`` of the budget aside for ``request_id`` (None: release)."""
         self.reserved_for, self.reserved = request_id, num_tokens
@@ -96,14 +109,14 @@ class BatchUnit:
         return self
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.items) + self.cohort_decodes
 
     def __bool__(self) -> bool:
-        return bool(self.items)
+        return bool(self.items) or self.cohort_decodes > 0
 
     @property
     def num_seqs(self) -> int:
-        return len(self.items)
+        return len(self.items) + self.cohort_decodes
 
     @property
     def budget_left(self) -> int:
@@ -151,4 +164,5 @@ class BatchUnit:
                 out["prefill_tokens"] += it.num_tokens
             else:
                 out["decodes"] += 1
+        out["decodes"] += self.cohort_decodes
         return out

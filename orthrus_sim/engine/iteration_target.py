@@ -89,7 +89,7 @@ class IterationTarget:
                     hi = mid - 1
             return lo * step
         if kind is ItemKind.EMBED_CHUNK:
-            if self.starved >= PROGRESS_AFTER or (batch.num_decodes == len(batch.items)
+            if self.starved >= PROGRESS_AFTER or (batch.num_decodes == batch.num_seqs
                                                   and predict(batch) > target):
                 return min(n, step)  # the progress chunk
             if self._refused_in is not batch:

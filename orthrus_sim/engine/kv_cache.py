@@ -2,6 +2,9 @@
 
 Block ids are real (a free list), so the PyTorch engine indexes its cache tensors with the very
 tables this class keeps, and the simulator gets the same admission and preemption behaviour.
+``virtual``: blocks the simulator's decode cohort holds without table entries yet
+(``engine/cohort.py``); they count as used, and ``grow`` leaves them alone. Real executors
+never set it.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ class BlockManager:
         # Pop from the end: lowest ids are handed out first, which keeps traces readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
+        self.virtual = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) - self.virtual
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - len(self._free) + self.virtual
 
     @property
     def usage(self) -> float:
@@ -49,7 +53,7 @@ class BlockManager:
         if extra <= 0:
             return True
         free = self._free
-        if extra > len(free):
+        if extra > len(free) - self.virtual:
             return False
         if table is None:
             table = self.tables[request_id] = []

@@ -111,8 +111,14 @@ class Policy(SchedulingSteps, abc.ABC):
         running = RequestState.RUNNING
         embed_chunk, decode = ItemKind.EMBED_CHUNK, ItemKind.DECODE
         hands_off = type(self)._hands_off is not Policy._hands_off
+        cohort = self._cohort
+        joining: list[Request] = []  # decodes that join the cohort after this iteration
+        pending = batch.cohort_decodes > 0  # the cohort's segment: it comes before decode items
         for item in batch.items:
             req = item.request
+            if pending and item.kind is decode:
+                self._advance_cohort(1, now, left)
+                pending = False
             if req.state is not running:
                 continue  # aborted while the pass ran
             req.num_computed += item.num_tokens
@@ -140,6 +146,12 @@ class Policy(SchedulingSteps, abc.ABC):
                 self._release(req)
                 req.transition(RequestState.WAITING)
                 left.append(req)
+            elif cohort is not None:
+                joining.append(req)
+        if pending:
+            self._advance_cohort(1, now, left)
+        if joining:
+            self._join_cohort(joining)
         return left
 
     def abort(self, request_id: str, now: float = 0.0) -> Request | None:
@@ -147,6 +159,8 @@ class Policy(SchedulingSteps, abc.ABC):
         req = self._requests.get(request_id)
         if req is None:
             return None
+        if self._cohort is not None:
+            self._cohort.settle_one(request_id)
         self._release(req)
         req.transition(RequestState.ABORTED)
         req.finished_at = now

@@ -35,6 +35,8 @@ class Queues:
         self._holding: dict[str, Request] = {}  # every request holding blocks, admission order
         self._embeds_holding: dict[str, Request] = {}  # the embeddings among them
         self._requests: dict[str, Request] = {}  # every live request by id
+        self._running_order: dict[str, int] = {}  # a running request's admission count
+        self._admissions = 0
         # ``waiting_work`` of the requests holding no blocks, kept as they come and go so that
         # an iteration's cost does not grow with the queues (it is fixed while one waits)
         self._queued_work: dict[str, int] = {}
@@ -51,6 +53,7 @@ class Queues:
 
     def get(self, request_id: str) -> Request | None:
         """The live request with this id (None once it finished, was aborted or left)."""
+        self._sync_cohort()
         return self._requests.get(request_id)
 
     def holds_kv(self, request_id: str) -> bool:
@@ -58,6 +61,7 @@ class Queues:
 
     def live(self) -> tuple[Request, ...]:
         """Every request queued or running here, in the order it was added."""
+        self._sync_cohort()
         return tuple(self._requests.values())
 
     def embeddings(self) -> tuple[Request, ...]:
@@ -70,7 +74,12 @@ class Queues:
 
     def running_generations(self) -> tuple[Request, ...]:
         """Generation requests holding KV blocks (prefilling or decoding), admission order."""
+        self._sync_cohort()
         return tuple(self._running)
+
+    @property
+    def num_running_generations(self) -> int:
+        return len(self._running)
 
     def waiting_work(self) -> tuple[int, int]:
         """``we`` and ``wg`` of the brief: the remaining prompt work of the embedding queue
@@ -84,6 +93,10 @@ class Queues:
         for r in self._prefilling:
             wg += r.waiting_work(count_output)
         return we, wg
+
+    def _sync_cohort(self) -> None:
+        """Bring the decode cohort's members' fields up to date before a view shows them
+        (``SchedulingSteps`` has the cohort)."""
 
     # ----- bookkeeping -----------------------------------------------------------------------
     def _queue_work(self, request: Request) -> None:

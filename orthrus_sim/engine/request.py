@@ -51,6 +51,8 @@ _TRANSITIONS = {
 
 def _count(rid: str, name: str, value: Any, minimum: int, what: str = "") -> int:
     """``value`` as a plain int >= ``minimum``; a bool, a float or a string is refused by name."""
+    if type(value) is int and value >= minimum:  # the common case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"request {rid}: {name} must be {bound}{' ' + what if what else ''}, "
@@ -95,7 +97,9 @@ class Request:
         rid = self.request_id
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
-        if isinstance(self.kind, str):
+        if type(self.kind) is RequestKind:
+            pass
+        elif isinstance(self.kind, str):
             try:
                 self.kind = RequestKind(self.kind)
             except ValueError:
@@ -106,8 +110,9 @@ class Request:
             raise ValueError(
                 f"request {rid}: kind must be 'embedding' or 'generation', got {self.kind!r}")
         arrival = self.arrival_time
-        if (isinstance(arrival, bool) or not isinstance(arrival, numbers.Real)
-                or not math.isfinite(arrival) or arrival < 0):
+        if type(arrival) is not float and (isinstance(arrival, bool)
+                                           or not isinstance(arrival, numbers.Real)) \
+                or not math.isfinite(arrival) or arrival < 0:
             raise ValueError(
                 f"request {rid}: arrival_time must be a finite number >= 0, got {arrival!r}")
         self.arrival_time = float(arrival)

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from orthrus_sim.engine.admission import KVAdmission
 from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
+from orthrus_sim.engine.cohort import DecodeCohort
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.iteration_target import IterationTarget
 from orthrus_sim.engine.queues import EMBEDDING, GENERATION
@@ -29,6 +30,54 @@ class SchedulingSteps(KVAdmission):
         self._claimant: Request | None = None  # its turn was taken last iteration: it goes first
         self._in_batch: set[str] = set()
         self._embed_cursor = 0
+        # the simulator's fast path: running decodes kept as one cohort (``use_cohort``)
+        self._cohort: DecodeCohort | None = None
+
+    def use_cohort(self) -> None:
+        """Keep the running decodes as a decode cohort (``engine/cohort.py``): the simulator's
+        fast path. Every result is the same; only how often each decode is touched changes."""
+        if self._requests:
+            raise RuntimeError("use_cohort() must be called before any request is added")
+        self._cohort = DecodeCohort(self.blocks)
+
+    def _sync_cohort(self) -> None:
+        if self._cohort is not None:
+            self._cohort.sync()
+
+    def _dissolve_cohort(self) -> None:
+        if self._cohort is not None and self._cohort.members:
+            self._cohort.settle_all()
+
+    def _schedule_cohort(self, batch: BatchUnit) -> int | None:
+        """The cohort's decodes as one segment, if stepping would schedule exactly them: every
+        running decode is a member, all fit the budget and their next tokens' blocks fit (else
+        None, the cohort settled, and the decodes go one by one: preemption, budget cuts)."""
+        c = self._cohort
+        n = len(c)
+        if not n:
+            return None
+        in_batch = self._in_batch
+        if (n != len(self._running) - len(self._prefilling) or n > batch.budget_left
+                or (in_batch and any(rid in c for rid in in_batch)) or not c.take_blocks(c.steps)):
+            c.settle_all()
+            return None
+        batch.add_cohort(n, c.decode_kv())
+        return n
+
+    def _advance_cohort(self, steps: int, now: float, left: list[Request]) -> None:
+        """The cohort's decodes ran ``steps`` iterations, the last ending at ``now``; members
+        that finish then leave (into ``left``)."""
+        for req in self._cohort.advance(steps, now):
+            self._finish(req, now)
+            left.append(req)
+
+    def _join_cohort(self, requests: list[Request]) -> None:
+        """Decodes that came out of an iteration's items join the cohort."""
+        c = self._cohort
+        order = self._running_order
+        for req in requests:
+            if c.can_join(req):
+                c.join(req, order[req.request_id])
 
     def _start_iteration(self) -> BatchUnit:
         """An empty batch, with last iteration's budget claim reserved, and fresh per-iteration
@@ -90,6 +139,10 @@ class SchedulingSteps(KVAdmission):
         newest, it waits for embeddings' blocks when embeddings hold any, else it preempts itself.
         (This loop runs for every decode of every iteration, hence the inlined arithmetic.)
         """
+        if self._cohort is not None:
+            n = self._schedule_cohort(batch)
+            if n is not None:
+                return n
         room = batch.budget_left  # the reservation stays untouched
         block_size = self.blocks.block_size
         tables, grow = self.blocks.tables, self.blocks.grow
@@ -237,6 +290,8 @@ class SchedulingSteps(KVAdmission):
             self._admit(request, request.seq_len, now)
             self._waiting_gen.remove(request)
             self._running.append(request)
+            self._admissions += 1
+            self._running_order[rid] = self._admissions
             if not request.is_decode:
                 self._prefilling.append(request)
         return self._add_prompt_chunk(batch, request, left)

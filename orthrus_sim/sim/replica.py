@@ -6,9 +6,11 @@ flight enters the policy when that iteration ends, as in a real engine, whose th
 requests in between steps (``orthrus_real/server/engine_thread.py``, vLLM's engine core): a policy whose
 choice depends on when work became ready (Unified-Homo) then sees what the real one sees.
 
-When only identical decode iterations can follow (nothing waits, nobody finishes, the KV cache
-can grow), it advances the whole run in one step, cut short at the first iteration boundary
-after a new request arrives, so the result is what stepping one iteration at a time gives.
+Its policy keeps the running decodes as a decode cohort (``engine/cohort.py``), so an
+iteration costs the same however many decodes ride in it; and when only identical decode
+iterations can follow (nobody finishes, nothing new can be admitted, the KV cache can grow), it
+advances the whole run in one step, cut short at the first iteration boundary after a new
+request arrives, so the result is what stepping one iteration at a time gives.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import math
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import simpy
 
 from orthrus_sim.costmodel.shape import BatchShape
-from orthrus_sim.engine.decode_run import complete_decode_run, steady_decode_phases
+from orthrus_sim.engine.decode_run import complete_decode_run, decode_run_length, run_on
 from orthrus_sim.engine.policy import Policy
 from orthrus_sim.engine.request import Request, RequestKind
 
@@ -60,14 +63,6 @@ def _delay_to(now: float, target: float) -> float:
     return delay
 
 
-def _fire(event: simpy.Event) -> Callable[[simpy.Event], None]:
-    """A callback that triggers ``event`` unless something else did first."""
-    def fire(_: simpy.Event) -> None:
-        if not event.triggered:
-            event.succeed()
-    return fire
-
-
 class Replica:
     def __init__(self, env: simpy.Environment, index: int, role: str, policy: Policy, cost,
                  on_leave: Callable[[Request, Replica], None], fast_forward: bool = True,
@@ -81,11 +76,12 @@ class Replica:
         self.fast_forward = fast_forward
         self.stats = ReplicaStats()
         self.adapter = getattr(cost, "lora", None) is not None
-        self._wake: simpy.Event | None = None  # what the replica waits on: work, or a run's segment
+        self._wake: simpy.Event | None = None  # what an idle replica waits on: work
         self._arrived = False  # work arrived during the decode run in flight
+        self._segment = False  # waiting out a decode run's segment: an arrival interrupts it
         self._stepping = False  # an iteration (or decode run) is in flight
         self._inbox: list[Request] = []  # arrived while it was: they enter when it ends
-        self._run: tuple | None = None  # a decode run in flight: batch, shape, start, ends
+        self._run: tuple | None = None  # a decode run in flight: shape, start, ends
         # the iteration (or run) in flight: start, end, its shape and steps (work priced lazily)
         self._in_flight: tuple[float, float, BatchShape, int] | None = None
         self.outstanding_work = 0  # tokens routed here and not finished (least-work router)
@@ -97,6 +93,8 @@ class Replica:
         self._overhead = {k.value: factors.overhead_s(k.value) for k in RequestKind} \
             if factors is not None and role != "decode" else {}
         self._front = simpy.Resource(env, 1) if self._overhead else None
+        if fast_forward and policy.decode_runs:
+            policy.use_cohort()
         self.process = env.process(self.run())
 
     def submit(self, request: Request) -> None:
@@ -122,6 +120,9 @@ class Replica:
         self._arrived = True
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
+        elif self._segment:
+            self._segment = False
+            self.process.interrupt()
 
     def _enter(self, request: Request) -> None:
         """Hand ``request`` to the policy now (it becomes ready now)."""
@@ -178,9 +179,9 @@ class Replica:
                 continue
             self._stepping = True
             shape = BatchShape.from_batch(batch, adapter=self.adapter)
-            phases = steady_decode_phases(policy, batch) if self.fast_forward else []
-            if phases and phases[-1][0] > 1:
-                yield from self._decode_run(batch, shape, phases)
+            steps = decode_run_length(policy, batch) if self.fast_forward else 0
+            if steps > 1:
+                yield from self._decode_run(shape, steps)
                 continue
             seconds = cost.shape_time(shape)
             flops, bytes_ = cost.shape_work(shape)
@@ -189,35 +190,35 @@ class Replica:
             self._account(shape, 1, seconds, flops, bytes_)
             self._leave(policy.complete(batch, env.now))
 
-    def _decode_run(self, batch, shape: BatchShape, phases: list[tuple[int, list[Request]]]):
-        """Advance a run of decode iterations phase by phase (``engine.decode_run.steady_decode_phases``);
-        stop after the iteration in flight when work arrives.
+    def _cohort_shape(self) -> BatchShape:
+        """The shape of an iteration of the decode cohort alone."""
+        cohort = self.policy._cohort
+        n = len(cohort)
+        return BatchShape(tokens=n, num_seqs=n, decodes=n, sample_rows=n,
+                          decode_kv=cohort.decode_kv())
 
-        Requests that finish at the end of a phase leave then, at that simulated time, as
-        stepping would have them; the next phase's shape is this one's without them. The
-        others are brought forward once, when the run ends.
-        """
+    def _decode_run(self, shape: BatchShape, steps: int):
+        """Wait out a run of ``steps`` decode iterations (``engine.decode_run``), or fewer when
+        work arrives, and apply them; members that finish at its end leave then, and while
+        nothing waits the run goes on without them (``run_on_after_finish``)."""
         self.stats.decode_runs += 1
         self._arrived = False
-        before = 0  # steps of the phases done
-        for end, finishing in phases:
-            steps = end - before
-            done = yield from self._decode_phase(batch, shape, steps, before)
+        policy = self.policy
+        while True:
+            done = yield from self._decode_phase(shape, steps)
             self._account_phase(done)
-            before += done
-            if done < steps or self._arrived:
-                break  # work arrived
-            left = complete_decode_run(self.policy, batch, before, self.env.now, finishing)
+            left = complete_decode_run(policy, done, self.env.now)
             self._leave(left)
-            if self._arrived:
-                break  # a leaving request sent more work
-            shape = shape.after_decode_steps(steps, [r.num_computed + 1 for r in left])
-        self._leave(complete_decode_run(self.policy, batch, before, self.env.now))
+            if done < steps or not left or self._arrived:
+                return  # work arrived (or a leaving request sent more), or the KV cache is full
+            steps = run_on(policy)
+            if steps < 1:
+                return
+            shape = self._cohort_shape()
 
-    def _decode_phase(self, batch, shape: BatchShape, steps: int, before: int):
-        """Price and wait out up to ``steps`` identical decode iterations (``before`` steps of
-        the run went first); returns how many ran: fewer when work arrives, the iteration in
-        flight then ending the phase.
+    def _decode_phase(self, shape: BatchShape, steps: int):
+        """Price and wait out up to ``steps`` identical decode iterations; returns how many
+        ran: fewer when work arrives, the iteration in flight then ending the run.
 
         Step times are priced a segment at a time (``FIRST_RUN_SEGMENT`` steps, doubling): an
         arrival usually cuts a run long before its end, and pricing steps that never run was
@@ -227,7 +228,7 @@ class Replica:
         env = self.env
         start = env.now
         ends: list[float] = []
-        self._run = (batch, shape, start, ends, before)
+        self._run = (shape, start, ends)
         kv0 = shape.decode_kv
         t = start
         segment = FIRST_RUN_SEGMENT
@@ -235,16 +236,19 @@ class Replica:
             n = min(segment, steps - len(ends))
             segment = min(2 * segment, MAX_RUN_SEGMENT)
             shape.decode_kv = kv0 + shape.decodes * len(ends)
-            for dt in self.cost.decode_step_times(shape, n):
-                t += dt
-                ends.append(t)
+            times = accumulate(self.cost.decode_step_times(shape, n), initial=t)
+            next(times)  # t itself: the step ends follow, summed in order as stepping sums them
+            ends.extend(times)
+            t = ends[-1]
             shape.decode_kv = kv0
             self._in_flight = (start, ends[-1], shape, len(ends))
-            # one event for "the segment ended" and "work arrived" (``submit`` fires it first)
-            wake = self._wake = env.event()
-            env.timeout(_delay_to(env.now, ends[-1])).callbacks.append(_fire(wake))
-            yield wake
-            self._wake = None
+            # the segment's end, or work arriving first (``_admit`` interrupts the wait)
+            self._segment = True
+            try:
+                yield env.timeout(_delay_to(env.now, ends[-1]))
+            except simpy.Interrupt:
+                pass
+            self._segment = False
             if env.now < ends[-1] or self._arrived:
                 break  # work arrived: finish the iteration in flight, then reschedule
         done = len(ends)
@@ -255,21 +259,31 @@ class Replica:
         return done
 
     def _account_phase(self, done: int) -> None:
-        """Count the first ``done`` iterations of the phase in flight."""
-        _, shape, start, ends, _ = self._run
+        """Count the first ``done`` iterations of the run in flight."""
+        shape, start, ends = self._run
         self._run = None
         flops, bytes_ = self.cost.shape_work(shape, done)
         self._account(shape, done, ends[done - 1] - start, flops, bytes_)
 
+    def snapshot(self):
+        """The policy's snapshot now; during a decode run, with the KV blocks of the iteration
+        in flight (stepping grows them when each iteration is scheduled)."""
+        if self._run is not None:
+            _, _, ends = self._run
+            cohort = self.policy._cohort
+            cohort.set_blocks(cohort.steps + bisect_right(ends, self.env.now))
+        return self.policy.snapshot()
+
     def flush(self) -> None:
         """At the end of a simulation: apply the iterations of a decode run that ended before
-        now, as stepping one at a time would have (an iteration ending exactly now is not)."""
+        now, as stepping one at a time would have (an iteration ending exactly now is not), and
+        write the decode cohort's progress into its requests."""
         if self._run is not None:
-            batch, _, start, ends, before = self._run
+            _, start, ends = self._run
             done = sum(1 for e in ends if e < self.env.now)
             if done:
                 self._account_phase(done)
-            if before + done:  # the earlier phases' steps, and these, for those still running
-                t = ends[done - 1] if done else start
-                self._leave(complete_decode_run(self.policy, batch, before + done, t))
+                self._leave(complete_decode_run(self.policy, done, ends[done - 1]))
             self._run = None
+        if self.policy._cohort is not None:
+            self.policy._cohort.sync()

@@ -35,7 +35,7 @@ def _monitor(env: simpy.Environment, cluster: Cluster, interval: float, rows: li
     last = [rep.progress() for rep in cluster.replicas]
     while True:
         yield env.timeout(interval)
-        snaps = [rep.policy.snapshot() for rep in cluster.replicas]
+        snaps = [rep.snapshot() for rep in cluster.replicas]
         row = {"time_s": env.now, "queue_length": sum(s.waiting for s in snaps)}
         for i, (rep, snap) in enumerate(zip(cluster.replicas, snaps)):
             now = rep.progress()
