@@ -1,14 +1,17 @@
-"""Where a simulation's wall time goes: SimPy, the policy, the cost model, metrics.
+"""Where a simulation's time goes, at one replica and at four, and what grows with the cluster.
 
-Runs Vidur's reference workload (the one ``simulator_speed.py`` times; ``--replicas 1`` or
-``4``) once under cProfile and sums each function's own time by area of the code. Built-in
-calls (``list.append``, ``heapq.heappush``, ...) are charged to the area of the Python
-function that made them, in proportion to the time each caller spent in them, so the areas
-add up to the whole run. cProfile slows a run about threefold and inflates small, often-called
-functions most: the shares are for finding where to look, the wall figures belong to
-``simulator_speed.py``.
+Runs Vidur's reference workload (the one ``simulator_speed.py`` times: 10,000 requests on one
+replica, 40,000 on four) twice per case: once counting what happens (SimPy events, schedules,
+iterations, decode runs and their phases, cohort joins; no profiler, so its wall time is real),
+once under cProfile, summing each function's own time by area of the code. Built-in calls
+(``list.append``, ``heapq.heappush``, ...) are charged to the area of the Python function that
+made them, in proportion to the time each caller spent in them, so the areas add up to the whole
+run. Every figure is per simulated request, so the two cases compare directly: four replicas
+serve four times the requests, and a column that grows says what costs more than linearly.
+cProfile slows a run about threefold and inflates small, often-called functions most: the
+shares are for finding where to look, the wall figures belong to ``simulator_speed.py``.
 
-Run: python benchmarks/simulator_profile.py [--replicas 4] [--fast|--stepping] [--top 15]
+Run: python benchmarks/simulator_profile.py [--replicas 1 4] [--stepping] [--top 15]
                                             [--out profile.json]
 """
 
@@ -19,13 +22,17 @@ import cProfile
 import json
 import pstats
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
+import simpy
 from rich.console import Console
 from rich.table import Table
 from simulator_speed import WORKLOADS, orthrus_scenario
 
+import orthrus_sim.engine.cohort as cohort_module
+import orthrus_sim.sim.replica as replica_module
+from orthrus_sim.engine.policy import Policy
 from orthrus_sim.experiment.scenario import parse_scenario
 from orthrus_sim.sim.run import simulate
 
@@ -33,14 +40,20 @@ from orthrus_sim.sim.run import simulate
 AREAS = [
     ("SimPy event loop", "/simpy/"),
     ("cost model", "orthrus_sim/costmodel/"),
+    ("decode cohort and runs (core)", "orthrus_sim/engine/cohort.py"),
+    ("decode cohort and runs (core)", "orthrus_sim/engine/decode_run.py"),
     ("policy, batch and KV (core)", "orthrus_sim/engine/"),
     ("metrics and request log", "orthrus_sim/sim/metrics.py"),
     ("metrics and request log", "orthrus_sim/experiment/results.py"),
     ("metrics and request log", "orthrus_sim/experiment/quantiles.py"),
-    ("replica and driver processes", "orthrus_sim/sim/"),
-    ("workload generation", "orthrus_sim/experiment/"),
+    ("router and cluster", "orthrus_sim/experiment/routing.py"),
+    ("router and cluster", "orthrus_sim/sim/cluster.py"),
+    ("replica process", "orthrus_sim/sim/replica.py"),
+    ("workload and driver", "orthrus_sim/sim/driver.py"),
+    ("workload and driver", "orthrus_sim/experiment/"),
+    ("monitor and set-up", "orthrus_sim/sim/"),
 ]
-OTHER = "other (start-up, stdlib)"
+OTHER = "other (stdlib, numpy)"
 
 
 def area_of(filename: str) -> str | None:
@@ -78,52 +91,113 @@ def breakdown(stats: pstats.Stats) -> tuple[dict[str, float], list[tuple[str, fl
     return dict(by_area), functions
 
 
+def counted(scenario, fast: bool) -> tuple[dict[str, int], float]:
+    """Run once with counters on the hot calls (a wrapper each: no profiler); the counts and
+    the wall seconds of ``simulate``."""
+    counts: Counter[str] = Counter()
+    patches = []
+
+    def wrap(owner, name, key):
+        original = getattr(owner, name)
+
+        def counting(*args, **kwargs):
+            counts[key] += 1
+            return original(*args, **kwargs)
+        setattr(owner, name, counting)
+        patches.append((owner, name, original))
+
+    wrap(simpy.Environment, "step", "SimPy events")
+    wrap(Policy, "schedule", "schedules (fill)")
+    wrap(Policy, "complete", "single iterations completed")
+    wrap(replica_module.Replica, "_account_phase", "decode-run phases")
+    wrap(cohort_module.DecodeCohort, "join", "cohort joins")
+    try:
+        start = time.perf_counter()
+        result = simulate(scenario, scenario.configurations[0], fast_forward=fast, keep_rows=False)
+        wall = time.perf_counter() - start
+    finally:
+        for owner, name, original in patches:
+            setattr(owner, name, original)
+    counts["iterations"] = result.metrics["iterations"]
+    counts["decode runs"] = sum(g["decode_runs"] for g in result.metrics["utilization"]["per_gpu"])
+    return dict(counts), wall
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--replicas", type=int, default=4, choices=sorted(WORKLOADS))
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--fast", dest="fast", action="store_true", default=True,
-                      help="decode runs on (the default)")
-    mode.add_argument("--stepping", dest="fast", action="store_false",
-                      help="step every iteration (decode runs off)")
+    ap.add_argument("--replicas", type=int, nargs="+", default=[1, 4], choices=sorted(WORKLOADS))
+    ap.add_argument("--stepping", action="store_true", help="step every iteration (no fast path)")
     ap.add_argument("--top", type=int, default=15, help="functions to list by own time")
     ap.add_argument("--out", help="write the breakdown to this JSON file")
     args = ap.parse_args()
     console = Console(width=max(Console().width, 110))
+    fast = not args.stepping
 
-    scenario = parse_scenario(orthrus_scenario(args.replicas))
-    profiler = cProfile.Profile()
-    start = time.perf_counter()
-    profiler.enable()
-    result = simulate(scenario, scenario.configurations[0], fast_forward=args.fast,
-                      keep_rows=False)
-    profiler.disable()
-    wall = time.perf_counter() - start
-    by_area, functions = breakdown(pstats.Stats(profiler))
-    total = sum(by_area.values())
-    iterations = result.metrics["iterations"]
+    cases = {}
+    for replicas in args.replicas:
+        scenario = parse_scenario(orthrus_scenario(replicas))
+        requests = WORKLOADS[replicas][0]
+        console.print(f"[dim]{replicas} replica(s): counting, then under cProfile[/]")
+        counts, wall = counted(scenario, fast)
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        profiler.enable()
+        simulate(scenario, scenario.configurations[0], fast_forward=fast, keep_rows=False)
+        profiler.disable()
+        profiled = time.perf_counter() - start
+        by_area, functions = breakdown(pstats.Stats(profiler))
+        cases[replicas] = {"requests": requests, "wall_s": wall, "profiled_s": profiled,
+                           "counts": counts, "areas_s": by_area,
+                           "top_functions_s": dict(functions[:args.top])}
 
-    requests, rate = WORKLOADS[args.replicas]
-    mode_name = "decode runs" if args.fast else "every iteration"
-    table = Table(title=f"{args.replicas} x A100, {requests:,} requests Poisson {rate:g}/s, "
-                        f"{mode_name}: {wall:.1f} s under cProfile, {iterations:,} iterations")
-    for col in ("area", "own s", "share", "us per iteration"):
-        table.add_column(col, justify="right" if col != "area" else "left")
-    for area, seconds in sorted(by_area.items(), key=lambda kv: -kv[1]):
-        table.add_row(area, f"{seconds:.2f}", f"{seconds / total:.0%}",
-                      f"{1e6 * seconds / iterations:.2f}")
+    mode = "decode runs" if fast else "every iteration"
+    names = [f"{r} replica{'s' if r > 1 else ''}" for r in cases]
+    first, last = next(iter(cases.values())), list(cases.values())[-1]
+    grows = len(cases) > 1
+    table = Table(title=f"Per simulated request, {mode} (counts: no profiler)")
+    table.add_column("what")
+    for name in names:
+        table.add_column(name, justify="right")
+    if grows:
+        table.add_column("growth", justify="right")
+    for key in first["counts"]:
+        vals = [c["counts"].get(key, 0) / c["requests"] for c in cases.values()]
+        growth = [f"{vals[-1] / vals[0]:.2f}x" if vals[0] else ""] if grows else []
+        table.add_row(key, *[f"{v:.2f}" for v in vals], *growth)
+    vals = [1e6 * c["wall_s"] / c["requests"] for c in cases.values()]
+    table.add_row("[bold]wall us (simulate)[/]", *[f"{v:.0f}" for v in vals],
+                  *([f"{vals[-1] / vals[0]:.2f}x"] if grows else []))
     console.print(table)
-    top = Table(title=f"Top {args.top} functions by own time")
+
+    table = Table(title="Profiled microseconds per simulated request, by area (cProfile)")
+    table.add_column("area")
+    for name in names:
+        table.add_column(name, justify="right")
+        table.add_column("share", justify="right")
+    if grows:
+        table.add_column("growth", justify="right")
+    areas = sorted(last["areas_s"], key=lambda a: -last["areas_s"][a])
+    for area in areas:
+        row = []
+        for c in cases.values():
+            s = c["areas_s"].get(area, 0.0)
+            row += [f"{1e6 * s / c['requests']:.1f}", f"{s / sum(c['areas_s'].values()):.0%}"]
+        if grows:
+            a0 = first["areas_s"].get(area, 0.0) / first["requests"]
+            a1 = last["areas_s"].get(area, 0.0) / last["requests"]
+            row.append(f"{a1 / a0:.2f}x" if a0 else "")
+        table.add_row(area, *row)
+    console.print(table)
+
+    top = Table(title=f"Top {args.top} functions by own time, {names[-1]}")
     top.add_column("function")
     top.add_column("own s", justify="right")
-    top.add_column("share", justify="right")
-    for name, seconds in functions[:args.top]:
-        top.add_row(name, f"{seconds:.2f}", f"{seconds / total:.1%}")
+    top.add_column("us per request", justify="right")
+    for name, seconds in list(last["top_functions_s"].items())[:args.top]:
+        top.add_row(name, f"{seconds:.2f}", f"{1e6 * seconds / last['requests']:.1f}")
     console.print(top)
     if args.out:
-        doc = {"replicas": args.replicas, "fast_forward": args.fast, "wall_s": wall,
-               "iterations": iterations, "areas_s": by_area,
-               "top_functions_s": dict(functions[:args.top])}
+        doc = {"fast_forward": fast, "cases": {str(k): v for k, v in cases.items()}}
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
         console.print(f"wrote {args.out}")
 

@@ -47,15 +47,6 @@ class BatchShape:
         elif samples:
             self.sample_rows += 1
 
-    def after_decode_steps(self, steps: int, leaving_kv: list[int]) -> BatchShape:
-        """This all-decode shape ``steps`` iterations later (each context ``steps`` tokens
-        longer), without the decodes that left then; ``leaving_kv`` is what each of those would
-        have read next (its computed tokens + 1)."""
-        n = len(leaving_kv)
-        return BatchShape(tokens=self.tokens - n, num_seqs=self.num_seqs - n,
-                          decodes=self.decodes - n, sample_rows=self.sample_rows - n,
-                          decode_kv=self.decode_kv + self.decodes * steps - sum(leaving_kv))
-
     @classmethod
     def from_batch(cls, batch: BatchUnit, adapter: bool = True) -> BatchShape:
         shape = cls()

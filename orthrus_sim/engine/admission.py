@@ -134,8 +134,10 @@ class KVAdmission(Queues):
                 self._embeddings.remove(request)
         else:  # a request holding blocks is among the running, one holding none waits
             for queue in (self._running, self._prefilling) if held else (self._waiting_gen,):
-                if request in queue:
+                try:
                     queue.remove(request)
+                except ValueError:
+                    pass  # not in this one
 
     def _finish(self, request: Request, now: float) -> None:
         self._release(request)

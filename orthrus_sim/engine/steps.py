@@ -313,14 +313,15 @@ class SchedulingSteps(KVAdmission):
     def fill_fcfs(self, batch: BatchUnit, now: float, kinds: Iterable[RequestKind]) -> int:
         """Admit new work in one global arrival order, stopping at the first that cannot go; a
         budget claimant goes first (its turn came last iteration)."""
-        kinds = set(kinds)
+        kinds = tuple(kinds)  # membership by identity: no enum hashing in this loop
+        embeddings, generations = EMBEDDING in kinds, GENERATION in kinds
         used = 0
         claimant = self._claimant
         if claimant is not None and claimant.kind in kinds and claimant.request_id not in self._in_batch:
             used += self.schedule_embedding(batch, claimant, now)
         while True:
-            emb = self.next_embedding() if EMBEDDING in kinds else None
-            gen = self.next_generation() if GENERATION in kinds else None
+            emb = self.next_embedding() if embeddings else None
+            gen = self.next_generation() if generations else None
             if emb is None and gen is None:
                 break
             if gen is None or (emb is not None and emb.order < gen.order):

@@ -39,7 +39,12 @@ _MASK = (1 << 64) - 1
 
 def mix(*values: int) -> int:
     """A 64-bit seed from integers (splitmix64 over them): cheap, stable across processes."""
-    h = 0x9E3779B97F4A7C15
+    return mix_on(0x9E3779B97F4A7C15, values)
+
+
+def mix_on(h: int, values) -> int:
+    """``mix`` continued from the state ``h`` (``mix(*a, *b) == mix_on(mix(*a), b)``), so a
+    client's constant prefix (the seed and its name) is mixed once."""
     for v in values:
         h = (h ^ (v & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
         h ^= h >> 31
@@ -241,6 +246,14 @@ class Workload:
         self._phase_ends = list(itertools.accumulate(
             (p.requests if self._by_count else p.duration_s) for p in w.phases))
         self._corpus: list[Tokens] | None = None
+        self._client_seeds: dict[str, int] = {}
+
+    def _client_seed(self, client: str) -> int:
+        """``mix`` of the seed and the client's name: the prefix of its requests' token seeds."""
+        seed = self._client_seeds.get(client)
+        if seed is None:
+            seed = self._client_seeds[client] = mix(self.seed, *map(ord, client))
+        return seed
 
     # ----- when the workload stops --------------------------------------------------------
     def phase(self) -> int | None:
@@ -364,7 +377,7 @@ class Workload:
         """One unit of work of ``client``: a request, or a whole workflow."""
         if pool.kind == "workflow":
             return (yield from self._workflow(rng, client, n, phase))
-        kind, tokens, n_out = self._draw(pool, rng, phase, mix(self.seed, *map(ord, client), n))
+        kind, tokens, n_out = self._draw(pool, rng, phase, mix_on(self._client_seed(client), (n,)))
         rid = f"{'e' if kind is EMB else 'g'}-{client}-{n}"
         spec = self._spec(kind, tokens, n_out, rid, client, phase, intended)
         return (yield Send(spec, wait=intended is None))

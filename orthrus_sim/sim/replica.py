@@ -16,7 +16,7 @@ request arrives, so the result is what stepping one iteration at a time gives.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -144,24 +144,45 @@ class Replica:
             self.on_leave(req, self)
 
     def progress(self) -> ReplicaStats:
-        """The counters so far, with the iteration (or decode run) in flight counted pro rata
-        up to now: what monitors and windows read."""
+        """The counters so far as stepping has them: of a decode run in flight, the iterations
+        that ended before now count whole and the one in flight pro rata (its busy time, FLOPs
+        and bytes), as a single iteration in flight does. What monitors and windows read."""
+        out = replace(self.stats)
         if self._in_flight is None:
-            return replace(self.stats)
+            return out
         start, end, shape, steps = self._in_flight
-        flops, bytes_ = self.cost.shape_work(shape, steps)
-        frac = 0.0 if end <= start else min(1.0, (self.env.now - start) / (end - start))
-        return replace(self.stats, busy_s=self.stats.busy_s + (self.env.now - start),
-                       flops=self.stats.flops + frac * flops, bytes=self.stats.bytes + frac * bytes_)
+        now = self.env.now
+        out.busy_s += now - start
+        done, step_start, step_end = 0, start, end
+        if self._run is not None:
+            ends = self._run[2]
+            done = min(bisect_left(ends, now), steps)  # the steps that ended before now
+            step_start = ends[done - 1] if done else start
+            step_end = ends[done] if done < steps else step_start
+        cost = self.cost
+        flops, bytes_ = cost.shape_work(shape, done) if done else (0.0, 0.0)
+        if done < steps and step_end > step_start:
+            frac = min(1.0, (now - step_start) / (step_end - step_start))
+            f_next, b_next = cost.shape_work(shape, done + 1)
+            flops += frac * (f_next - flops)
+            bytes_ += frac * (b_next - bytes_)
+        out.flops += flops
+        out.bytes += bytes_
+        if done:
+            self._count_steps(out, shape, done)
+        return out
 
     def _account(self, shape: BatchShape, steps: int, seconds: float, flops: float,
                  bytes_: float) -> None:
         self._in_flight = None
         s = self.stats
-        s.iterations += steps
         s.busy_s += seconds
         s.flops += flops
         s.bytes += bytes_
+        self._count_steps(s, shape, steps)
+
+    def _count_steps(self, s: ReplicaStats, shape: BatchShape, steps: int) -> None:
+        s.iterations += steps
         s.tokens += shape.tokens * steps
         s.budget_fill_sum += steps * shape.tokens / self.policy.config.token_budget
         s.embed_tokens += shape.pooled_rows * steps
@@ -275,15 +296,14 @@ class Replica:
         return self.policy.snapshot()
 
     def flush(self) -> None:
-        """At the end of a simulation: apply the iterations of a decode run that ended before
-        now, as stepping one at a time would have (an iteration ending exactly now is not), and
-        write the decode cohort's progress into its requests."""
+        """At the end of a simulation: apply to the requests the iterations of a decode run
+        that ended before now, as stepping one at a time would have (an iteration ending
+        exactly now is not; ``progress`` counts them, and the one in flight), and write the
+        decode cohort's progress into its requests."""
         if self._run is not None:
-            _, start, ends = self._run
-            done = sum(1 for e in ends if e < self.env.now)
+            _, _, ends = self._run
+            done = bisect_left(ends, self.env.now)
             if done:
-                self._account_phase(done)
                 self._leave(complete_decode_run(self.policy, done, ends[done - 1]))
-            self._run = None
         if self.policy._cohort is not None:
             self.policy._cohort.sync()
