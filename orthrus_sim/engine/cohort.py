@@ -107,7 +107,12 @@ class DecodeCohort:
         return total
 
     def virtual_at(self, step: int) -> int:
-        return self.blocks_at(step) - self._held
+        """``blocks_at(step)`` less the members' real blocks (inlined: it runs every iteration)."""
+        whole, part = divmod(step, self.bs)
+        total = self._units + len(self.members) * whole - self._held
+        if part:
+            total += sum(self._residues[self.bs - part:])
+        return total
 
     def decode_kv(self) -> int:
         """KV rows the members' decodes read at the next step (context + the token)."""
