@@ -33,13 +33,8 @@ class CostModelPredictor:
             self._cohort = self._kv = 0
         shape, adapter = self._shape, self.adapter
         if batch.cohort_decodes != self._cohort:  # the decode cohort's segment (engine/cohort.py)
-            n, self._cohort = batch.cohort_decodes - self._cohort, batch.cohort_decodes
-            shape.tokens += n
-            shape.num_seqs += n
-            shape.decodes += n
-            shape.sample_rows += n
-            shape.decode_kv = shape.decode_kv - self._kv + batch.cohort_kv
-            self._kv = batch.cohort_kv
+            shape.add_decodes(batch.cohort_decodes - self._cohort, batch.cohort_kv - self._kv)
+            self._cohort, self._kv = batch.cohort_decodes, batch.cohort_kv
         for it in items[self._seen:]:
             shape.add_item(it.kind, it.num_tokens, it.start, it.samples, adapter)
         self._seen = len(items)

@@ -28,6 +28,14 @@ class BatchShape:
     sample_rows: int = 0
     pooled_rows: int = 0
 
+    def add_decodes(self, n: int, kv_rows: int) -> None:
+        """``n`` one-token decodes reading ``kv_rows`` KV rows in all (their contexts + 1)."""
+        self.tokens += n
+        self.num_seqs += n
+        self.decodes += n
+        self.sample_rows += n
+        self.decode_kv += kv_rows
+
     def add_item(self, kind: ItemKind, num_tokens: int, context_len: int,
                  samples: bool = False, adapter: bool = True) -> None:
         self.tokens += num_tokens
@@ -59,14 +67,10 @@ class BatchShape:
                 break
             shape.add_item(it.kind, it.num_tokens, it.start, it.samples, adapter)
         n = len(items) - first_decode
-        kv = sum([it.start for it in items[first_decode:]]) + n if n else 0
-        n += batch.cohort_decodes
         if n:  # the common case, in bulk
-            shape.tokens += n
-            shape.num_seqs += n
-            shape.decodes += n
-            shape.sample_rows += n
-            shape.decode_kv += kv + batch.cohort_kv
+            shape.add_decodes(n, sum([it.start for it in items[first_decode:]]) + n)
+        if batch.cohort_decodes:
+            shape.add_decodes(batch.cohort_decodes, batch.cohort_kv)
         return shape
 
     @classmethod

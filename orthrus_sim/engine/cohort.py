@@ -11,7 +11,7 @@ the same for 5 decodes as for 250:
 
 * their number and the KV rows they read (the batch's cost);
 * the KV blocks they hold at any step, from the residues of their lengths modulo the block
-  size (``blocks_at``), written to the block manager as ``virtual`` blocks: admission and
+  size (``virtual_at``), written to the block manager as ``virtual`` blocks: admission and
   snapshots see what stepping would have allocated, without a table growing per token;
 * who finishes when (a heap by finishing step, ties in ``_running`` order, as stepping's
   items are).
@@ -97,17 +97,9 @@ class DecodeCohort:
         self._held -= m.held
 
     # ----- aggregates ---------------------------------------------------------------------------
-    def blocks_at(self, step: int) -> int:
-        """Blocks the members need at ``step``: each its tokens so far plus the next one."""
-        n = len(self.members)
-        whole, part = divmod(step, self.bs)
-        total = self._units + n * whole
-        if part:
-            total += sum(self._residues[self.bs - part:])
-        return total
-
     def virtual_at(self, step: int) -> int:
-        """``blocks_at(step)`` less the members' real blocks (inlined: it runs every iteration)."""
+        """The blocks the members need at ``step`` (each its tokens so far plus the next one)
+        less their real ones: what the cohort holds as virtual blocks then."""
         whole, part = divmod(step, self.bs)
         total = self._units + len(self.members) * whole - self._held
         if part:

@@ -214,9 +214,9 @@ class Replica:
     def _cohort_shape(self) -> BatchShape:
         """The shape of an iteration of the decode cohort alone."""
         cohort = self.policy._cohort
-        n = len(cohort)
-        return BatchShape(tokens=n, num_seqs=n, decodes=n, sample_rows=n,
-                          decode_kv=cohort.decode_kv())
+        shape = BatchShape()
+        shape.add_decodes(len(cohort), cohort.decode_kv())
+        return shape
 
     def _decode_run(self, shape: BatchShape, steps: int):
         """Wait out a run of ``steps`` decode iterations (``engine.decode_run``), or fewer when
