@@ -120,7 +120,8 @@ def serve(
     cuda_graphs: opt.CudaGraphs = None, static_step: opt.StaticStep = None,
     cpu_gemm: opt.CpuGemm = None,
     replicas: opt.Replicas = None, devices: opt.Devices = None, router: opt.Router = None,
-    auto_restart: opt.AutoRestart = False, ray: opt.Ray = None,
+    auto_restart: opt.AutoRestart = False, ray: opt.Ray = None, retries: opt.Retries = 2,
+    retry_budget: opt.RetryBudget = 0.5,
 ) -> None:
     """Serve /v1/embeddings, /v1/completions and /v1/chat/completions from one engine (or from
     --replicas N engines behind one endpoint).

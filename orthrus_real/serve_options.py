@@ -90,6 +90,13 @@ Router = Annotated[str | None, typer.Option(
     "default the scenario's cluster.router, round-robin)")]
 AutoRestart = Annotated[bool, typer.Option(
     "--auto-restart", help="with --replicas: start a replica that died again by itself")]
+Retries = Annotated[int, typer.Option(
+    "--retries", help="with --replicas: how many times one request whose replica went down is "
+    "sent to another (embeddings, generations that sent nothing, streams continued from their "
+    "tokens; docs/cluster.md); 0: only requests that never reached an engine")]
+RetryBudget = Annotated[float, typer.Option(
+    "--retry-budget", help="with --replicas: the share of requests in flight that may be "
+    "retrying at once (at least 16)")]
 Ray = Annotated[str | None, typer.Option(
     "--ray", help="serve the replicas as a Ray Serve application: local (a Ray instance of this "
     "process) or auto / ray://HOST:PORT (a running Ray cluster)")]

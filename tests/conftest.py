@@ -38,7 +38,7 @@ def tiny_models(tmp_path_factory):
 # worker fills in around these instead of one of them starting last and running alone. With two
 # workers the two that start many processes (Ray, the cluster) do not start together (they starve
 # each other); with more workers they may.
-LONGEST_FIRST = ("test_cluster_ray.py", "test_fit.py", "test_core_properties.py",
+LONGEST_FIRST = ("test_cluster_ray.py", "test_fit.py", "test_soak.py", "test_core_properties.py",
                  "test_real_engine.py", "test_server.py", "test_server_limits.py",
                  "test_cluster.py", "test_server_isolation.py", "test_calibrate.py")
 

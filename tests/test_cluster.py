@@ -1,8 +1,10 @@
 """Several replicas behind one endpoint (``orthrus-real serve --replicas 2``): every request
 reaches a replica and completes, the project's router decides where (round-robin alternates,
 least-work sends a burst to the idle replica, a dedicated split routes by kind and each side
-refuses the other kind), a replica killed mid-load ends its requests with an error while the
-other serves on and comes back on restart, SIGTERM drains; /metrics and /health per replica."""
+refuses the other kind), a replica killed mid-load loses nothing (its requests go to the other,
+a stream continues there with the same greedy text, a request that kills every replica it
+reaches is quarantined) and comes back on restart, a drain moves generations at once, SIGTERM
+drains; /metrics and /health per replica."""
 
 from __future__ import annotations
 
@@ -195,6 +197,24 @@ def test_every_request_completes_and_round_robin_alternates(rr_cluster):
     assert "orthrus_iterations_total " in own and "replica=" not in own
 
 
+def test_bodies_the_gateway_cannot_read_reach_the_replica_and_get_its_4xx(rr_cluster):
+    """What the gateway's fuzz found: a body too deep for JSON, or text that is not Unicode,
+    is still relayed (the gateway's token estimate falls back) and the replica names the
+    problem; the gateway's own errors (an unknown path, a bad path parameter) are OpenAI's."""
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with httpx.Client(base_url=rr_cluster.url, timeout=60) as c:
+        for path, content in (("/v1/completions", deep), ("/v1/embeddings", b"[" * 50_000),
+                              ("/v1/completions", b'{"prompt": "a\\udfffb", "max_tokens": 2}'),
+                              ("/v1/embeddings", b'{"input": ["\\ud800"]}')):
+            r = c.post(path, content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and set(r.json()["error"]) == {
+                "message", "type", "param", "code"}, (path, r.text[:300])
+        for method, path, status in (("GET", "/replicas/abc/metrics", 400), ("GET", "/nope", 404),
+                                     ("GET", "/v1/embeddings", 405)):
+            r = c.request(method, path)
+            assert r.status_code == status and "message" in r.json()["error"], (path, r.text)
+
+
 def test_bench_measures_the_cluster_per_replica(rr_cluster):
     from orthrus_real.measure.bench import bench
 
@@ -226,6 +246,63 @@ def test_admin_restart_drains_and_restarts_a_live_replica(rr_cluster):
         assert health["status"] == "ok" and health["replicas"][1]["pid"] != before["pid"]
         seen = {c.post("/v1/embeddings", json={"input": "x"}).headers[REPLICA] for _ in range(2)}
         assert seen == {"0", "1"}
+
+
+def stream_text(c: httpx.Client, path: str, body: dict, on_chunk=None) -> tuple[str, list[dict]]:
+    """A streamed answer's text (completion or chat deltas) and its events; ``on_chunk(n,
+    replica)`` after the n-th content chunk."""
+    text, events = "", []
+    with c.stream("POST", path, json={**body, "stream": True,
+                                      "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        where = r.headers[REPLICA]
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            doc = json.loads(line[6:])
+            events.append(doc)
+            for ch in doc.get("choices", ()):
+                piece = ch.get("text") if "text" in ch else ch.get("delta", {}).get("content")
+                if piece is not None:
+                    text += piece
+                    if on_chunk:
+                        on_chunk(sum(1 for e in events if e.get("choices")), where)
+    return text, events
+
+
+def test_a_drain_moves_a_seeded_stream_and_it_goes_on_with_the_same_text(rr_cluster):
+    """``drain?migrate=true`` takes a replica out of routing and moves its stream to the other
+    replica at once; the seeded chat stream continues from the tokens it sent: the same text as
+    without the move, one role chunk, one id, usage counting every token."""
+    body = {"messages": [{"role": "user", "content": "tell me"}], "max_tokens": 150,
+            "temperature": 0.8, "top_k": 40, "seed": 123, "ignore_eos": True}
+    with httpx.Client(base_url=rr_cluster.url, timeout=60) as c:
+        ref = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+        drained = {}
+
+        def drain_at(n: int, where: str) -> None:
+            if n == 3 and not drained:
+                drained.update(c.post(f"/admin/replicas/{where}/drain?migrate=true").json())
+                # while drained: new requests go to the other replica only
+                others = {c.post("/v1/embeddings", json={"input": "x"}).headers[REPLICA]
+                          for _ in range(2)}
+                assert others == {str(1 - int(where))}
+
+        text, events = stream_text(c, "/v1/chat/completions", body, drain_at)
+        assert drained["moved"] == 1 and drained["status"] == "drained"
+        assert text == ref
+        assert len({e["id"] for e in events}) == 1
+        roles = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("role")]
+        assert len(roles) == 1
+        assert events[-1]["usage"]["completion_tokens"] == 150
+        assert not any("token_ids" in ch for e in events for ch in e["choices"])
+        health = rr_cluster.health()
+        i = drained["replica"]
+        assert health["status"] == "degraded" and health["replicas"][i]["draining"]
+        assert c.post(f"/admin/replicas/{i}/resume").json()["status"] == "up"
+        assert rr_cluster.health()["status"] == "ok"
+        text = httpx.get(rr_cluster.url + "/metrics", timeout=10).text
+        assert 'orthrus_cluster_migrations_total{why="moved"} 1.0' in text
 
 
 def sigterm_mid_stream(cluster: Cluster, n: int) -> int:
@@ -287,12 +364,12 @@ def test_least_work_sends_a_burst_to_the_idle_replica(lw_cluster):
     assert [r.headers[REPLICA] for r in burst] == ["1"] * 5
 
 
-def kill_mid_stream(url: str, victim: dict) -> dict:
+def kill_mid_stream(url: str, victim: dict, texts: bool = False, n: int = 400) -> dict:
     """A long and a short stream, one to each replica, the ``victim``'s killed at its third
-    token: ``{replica: (chunks, the error event or None, tokens asked)}``."""
+    token: ``{replica: (chunks, the error event or None, tokens asked[, text])}``."""
     async def stream(c, n):
         async with c.stream("POST", "/v1/completions", json=gen([7] * 8, n, stream=True)) as r:
-            where, chunks, error = r.headers[REPLICA], 0, None
+            where, chunks, error, text = r.headers[REPLICA], 0, None, ""
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     doc = json.loads(line[6:])
@@ -300,18 +377,19 @@ def kill_mid_stream(url: str, victim: dict) -> dict:
                         error = doc["error"]
                         continue
                     chunks += 1
+                    text += doc["choices"][0]["text"]
                     if where == str(victim["replica"]) and chunks == 3:
                         os.kill(victim["pid"], signal.SIGKILL)
-            return where, chunks, error, n
+            return (where, chunks, error, n, text) if texts else (where, chunks, error, n)
 
     async def go():
         # a read that waits 15 s fails the test: the error must come well before
         async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(15.0)) as c:
-            return await asyncio.gather(stream(c, 2000), stream(c, 60))
+            return await asyncio.gather(stream(c, n), stream(c, 60))
 
     # which stream reaches which replica depends on the order the two arrive in: the other
     # replica's stream is judged against its own length
-    return {where: (chunks, error, n) for where, chunks, error, n in asyncio.run(go())}
+    return {out[0]: out[1:] for out in asyncio.run(go())}
 
 
 def watch_health(cluster: Cluster) -> tuple[list[dict], threading.Event]:
@@ -329,15 +407,21 @@ def watch_health(cluster: Cluster) -> tuple[list[dict], threading.Event]:
     return seen, stop
 
 
-def test_a_killed_replica_fails_its_requests_the_other_serves_and_comes_back(lw_cluster):
+def test_a_killed_replica_s_stream_goes_on_elsewhere_and_it_comes_back(lw_cluster):
+    """SIGKILL at the third token of a greedy stream: the stream continues on the other replica
+    from the tokens it sent (no error, the exact text of an undisturbed run, every token once),
+    the other replica's stream is untouched, the dead one is out of routing and comes back."""
     url = lw_cluster.url
+    with httpx.Client(base_url=url, timeout=60) as c:
+        refs = {n: c.post("/v1/completions", json=gen([7] * 8, n)).json()["choices"][0]["text"]
+                for n in (400, 60)}
     victim = lw_cluster.health()["replicas"][0]
     seen, stop = watch_health(lw_cluster)
-    results = kill_mid_stream(url, victim)
+    results = kill_mid_stream(url, victim, texts=True)
     assert sorted(results) == ["0", "1"]
-    (n0, err0, asked0), (n1, err1, asked1) = results["0"], results["1"]
-    assert err0["code"] == "replica_failed" and "replica 0" in err0["message"] and n0 < asked0
-    assert err1 is None and n1 == asked1  # the other replica's stream finished in full
+    for where, (chunks, error, asked, text) in results.items():
+        assert error is None and chunks == asked, where  # every token, once
+        assert text == refs[asked], where
     for _ in range(50):  # the monitor sees the exit within a fraction of a second
         if any(not h["replicas"][0]["up"] for h in list(seen)):
             break
@@ -345,10 +429,6 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_and_comes_back(lw_
     down = [h for h in list(seen) if not h["replicas"][0]["up"]]
     assert down and down[0]["status"] == "degraded" and down[0]["replicas"][0]["last_exit"]
     with httpx.Client(base_url=url, timeout=60) as c:
-        if not lw_cluster.health()["replicas"][0]["up"]:  # (--auto-restart may be back already)
-            for _ in range(3):  # all to the replica up
-                r = c.post("/v1/embeddings", json={"input": "still here"})
-                assert r.status_code == 200 and r.headers[REPLICA] == "1"
         for _ in range(600):  # --auto-restart: the gateway starts it again
             health = lw_cluster.health()
             if health["replicas"][0]["up"]:
@@ -359,6 +439,158 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_and_comes_back(lw_
         assert health["replicas"][0]["pid"] != victim["pid"]
         r = c.post("/v1/completions", json=gen([5, 6], 3))
         assert r.status_code == 200 and r.headers[REPLICA] == "0"  # both idle: back on 0
+    text = httpx.get(url + "/metrics", timeout=10).text
+    assert 'orthrus_cluster_migrations_total{why="down"} 1.0' in text
+
+
+def closed_loop(url: str, clients: int, seconds: float, kill_at: float, victim: int) -> list:
+    """``clients`` closed-loop clients for ``seconds``, half embeddings, half completions
+    (streamed and not); replica ``victim`` SIGKILLed at ``kill_at`` s. Every answer:
+    (kind, status, retries header, error code or None)."""
+    out: list = []
+
+    async def client(c: httpx.AsyncClient, i: int, end: float) -> None:
+        k = 0
+        while time.monotonic() < end:
+            k += 1
+            if i % 2:
+                r = await c.post("/v1/embeddings", json={"input": f"client {i} request {k}"})
+                out.append(("embedding", r.status_code, r.headers.get("x-orthrus-retries"), None))
+                continue
+            body = gen([5 + i, 6 + k % 50], 24 + 8 * (k % 4), stream=bool(k % 2))
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                error = None
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"error"' in line:
+                        error = json.loads(line[6:])["error"]["code"]
+            out.append(("generation", r.status_code, r.headers.get("x-orthrus-retries"), error))
+
+    async def killer(start: float) -> None:
+        await asyncio.sleep(kill_at)
+        pid = httpx.get(url + "/admin/replicas", timeout=10).json()["replicas"][victim]["pid"]
+        os.kill(pid, signal.SIGKILL)
+
+    async def go() -> None:
+        start = time.monotonic()
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            await asyncio.gather(killer(start), *(client(c, i, start + seconds)
+                                                  for i in range(clients)))
+
+    asyncio.run(go())
+    return out
+
+
+def test_a_replica_killed_under_load_loses_no_request(lw_cluster):
+    """The chaos run of docs/cluster.md, short: a closed loop of both kinds, one replica
+    SIGKILLed mid-run: every request answers 200 with no error event; those in flight on the
+    dead replica were sent again (their retries header, the gateway's counters)."""
+    answers = closed_loop(lw_cluster.url, clients=8, seconds=8.0, kill_at=3.0, victim=1)
+    bad = [a for a in answers if a[1] != 200 or a[3] is not None]
+    assert len(answers) > 30 and not bad, bad[:5]
+    text = httpx.get(lw_cluster.url + "/metrics", timeout=10).text
+    retried = sum(float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("orthrus_cluster_retries_total{"))
+    assert retried >= 1
+    assert any(a[2] not in (None, "0") for a in answers) or "migrations_total" in text
+    for _ in range(600):
+        if lw_cluster.health()["status"] == "ok":
+            break
+        time.sleep(0.1)
+
+
+def test_a_stalled_replica_s_work_moves_at_once_and_it_is_routed_again_after(lw_cluster):
+    """SIGSTOP mid-stream: within a few seconds (a /health probe unanswered for 1.5 s) the
+    stream continues on the other replica with its exact greedy text and an embedding there is
+    answered elsewhere; the stalled replica is routed nothing until it answers again."""
+    url = lw_cluster.url
+    for _ in range(600):
+        if lw_cluster.health()["status"] == "ok":
+            break
+        time.sleep(0.1)
+    body = gen([8] * 8, 600)
+    with httpx.Client(base_url=url, timeout=60) as c:
+        ref = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        stopped: dict = {}
+
+        def stop_it(n: int, where: str) -> None:
+            if n == 3 and not stopped:
+                pid = lw_cluster.health()["replicas"][int(where)]["pid"]
+                os.kill(pid, signal.SIGSTOP)
+                stopped.update(replica=int(where), pid=pid, at=time.monotonic())
+
+        try:
+            text, events = stream_text(c, "/v1/completions", body, stop_it)
+            took = time.monotonic() - stopped["at"]
+            health = lw_cluster.health()
+        finally:
+            os.kill(stopped["pid"], signal.SIGCONT)
+    assert text == ref and not any("error" in e for e in events)
+    assert took < 20, took  # moved after the stall was seen, not after the process was killed
+    victim = health["replicas"][stopped["replica"]]
+    assert victim["stalled"] or not victim["up"]
+    for _ in range(600):  # it answers again (or, if it was taken down, comes back restarted)
+        if lw_cluster.health()["status"] == "ok":
+            break
+        time.sleep(0.1)
+    assert lw_cluster.health()["status"] == "ok"
+    for _ in range(100):  # what was moved off it is gone from it too
+        if all(r["in_flight"] == 0 for r in lw_cluster.health()["replicas"]):
+            break
+        time.sleep(0.1)
+    assert [r["in_flight"] for r in lw_cluster.health()["replicas"]] == [0, 0]
+    text = httpx.get(url + "/metrics", timeout=10).text
+    assert 'orthrus_cluster_migrations_total{why="stalled"}' in text
+
+
+def test_a_request_that_kills_every_replica_it_reaches_is_quarantined(lw_cluster):
+    """A non-streamed generation in flight on a replica that dies goes to the other; when that
+    one dies with it too, it is failed (422 request_quarantined) instead of reaching a third,
+    and the same body is refused at once while others are served."""
+    url = lw_cluster.url
+    for _ in range(600):
+        if lw_cluster.health()["status"] == "ok":
+            break
+        time.sleep(0.1)
+    for _ in range(100):  # nothing else in flight: the replicas that run it are the ones busy
+        if all(r["in_flight"] == 0 for r in lw_cluster.health()["replicas"]):
+            break
+        time.sleep(0.1)
+    assert [r["in_flight"] for r in lw_cluster.health()["replicas"]] == [0, 0]
+    body = gen([9] * 8, 3000)
+    killed: list[int] = []
+
+    def kill_where_it_runs() -> None:
+        """Kill the replica running it (holding its ~3000 tokens of work for 0.5 s: it has
+        reached the engine), twice."""
+        since: dict[int, float] = {}
+        while len(killed) < 2:
+            reps = httpx.get(url + "/admin/replicas", timeout=10).json()["replicas"]
+            for r in reps:
+                if r["up"] and r["outstanding_tokens"] > 2000 and r["replica"] not in killed:
+                    if time.monotonic() - since.setdefault(r["replica"], time.monotonic()) > 0.5:
+                        killed.append(r["replica"])
+                        os.kill(r["pid"], signal.SIGKILL)
+                else:
+                    since.pop(r["replica"], None)
+            time.sleep(0.05)
+
+    t = threading.Thread(target=kill_where_it_runs)
+    t.start()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    t.join()
+    assert sorted(killed) == [0, 1]
+    log = [line for line in lw_cluster.lines[-400:] if "[replica" not in line]
+    assert r.status_code == 422 and r.json()["error"]["code"] == "request_quarantined", \
+        r.text[:200] + "".join(log[-30:])
+    again = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert again.status_code == 422 and "quarantined" in again.json()["error"]["message"]
+    for _ in range(600):  # both come back (--auto-restart) and serve other requests
+        if lw_cluster.health()["status"] == "ok":
+            break
+        time.sleep(0.1)
+    assert httpx.post(url + "/v1/completions", json=gen([5, 6], 3), timeout=60).status_code == 200
+    text = httpx.get(url + "/metrics", timeout=10).text
+    assert "orthrus_cluster_quarantined_total 1.0" in text
 
 
 # ----- a dedicated split ----------------------------------------------------------------------

@@ -212,6 +212,37 @@ def test_sampling_seed_stop_and_limits(tiny_models):
             SamplingParams(**bad)
 
 
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, top_k=50,
+                                                                  top_p=0.9, seed=11)])
+def test_a_resumed_generation_continues_as_if_never_moved(tiny_models, sampling):
+    """What a gateway does when a replica dies mid-stream: a second engine gets the prompt and
+    the tokens already sent (``resume_ids``) and answers only the rest; greedy and seeded sampling
+    give the same tokens and text as the run that was never interrupted, usage counts them all."""
+    path = tiny_models["llama"]
+    params = SamplingParams(max_tokens=14, ignore_eos=True, **sampling)
+    whole = engine_on(path)
+    whole.add_generation("w", token_ids=prompt_ids(12, seed=3), params=params)
+    ref = whole.run_until_idle()["w"]
+    for k in (1, 6, 13):
+        eng = engine_on(path, scheduler=SchedulerConfig(token_budget=64, chunk_size=8))
+        eng.add_generation("r", token_ids=prompt_ids(12, seed=3), params=params,
+                           resume_ids=ref.token_ids[:k])
+        outs = []
+        while eng.has_work:
+            outs += [o for o in eng.step() if o.request_id == "r"]
+        assert sum((o.new_token_ids for o in outs), []) == ref.token_ids[k:], k
+        assert outs[-1].token_ids == ref.token_ids and outs[-1].text == ref.text
+        assert outs[-1].prompt_tokens == 12 and outs[-1].finish_reason == "length"
+        prefix = eng.tokenizer.decode(ref.token_ids[:k], skip_special_tokens=True).rstrip("\ufffd")
+        assert prefix + "".join(o.new_text for o in outs) == ref.text
+        assert eng.policy.blocks.num_used == 0
+    with pytest.raises(ValueError, match="resume_token_ids holds 14 tokens"):
+        whole.add_generation("x", token_ids=prompt_ids(12), params=params,
+                             resume_ids=ref.token_ids)
+    with pytest.raises(ValueError, match=r"resume_token_ids: token ids must be integers"):
+        whole.add_generation("y", token_ids=prompt_ids(12), params=params, resume_ids=[-1])
+
+
 def test_refusals_name_the_problem(tiny_models, tmp_path):
     path = tiny_models["llama"]
     eng = engine_on(path)

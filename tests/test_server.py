@@ -89,6 +89,42 @@ def test_streaming_matches_non_streaming(server):
     assert json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
 
 
+def test_token_ids_and_a_resumed_stream_continue_one_answer(server):
+    """``return_token_ids`` (vLLM's) gives each chunk's token ids and once the prompt's;
+    ``resume_token_ids`` given the first k of them streams exactly the rest (no role chunk in a
+    chat), with the usage of the whole answer: what the gateway splices after a replica dies."""
+    url, _ = server
+    for path, body in (("/v1/completions", {"prompt": "hello there"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        body = {**body, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+                "return_token_ids": True, "stream_options": {"include_usage": True}}
+
+        def events(path: str, body: dict) -> list[dict]:
+            with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+                return [json.loads(line[6:]) for line in r.iter_lines()
+                        if line.startswith("data: {")]
+
+        def text(chunks: list[dict]) -> str:
+            pieces = [c["choices"][0].get("text", c["choices"][0].get("delta", {}).get("content"))
+                      for c in chunks if c["choices"]]
+            return "".join(p or "" for p in pieces)
+
+        whole = events(path, body)
+        ids = [t for c in whole if c["choices"] for t in c["choices"][0].get("token_ids", [])]
+        assert len(ids) == 12 and whole[-1]["usage"]["completion_tokens"] == 12
+        assert sum("prompt_token_ids" in c["choices"][0] for c in whole if c["choices"]) == 1
+        rest = events(path, {**body, "resume_token_ids": ids[:5]})
+        again = [t for c in rest if c["choices"] for t in c["choices"][0].get("token_ids", [])]
+        assert again == ids[5:] and rest[-1]["usage"]["completion_tokens"] == 12
+        assert not any("role" in c["choices"][0].get("delta", {}) for c in rest if c["choices"])
+        first = httpx.post(url + path, json={**body, "stream": False, "max_tokens": 5,
+                                             "stream_options": None}, timeout=60).json()
+        assert first["choices"][0]["token_ids"] == ids[:5]
+        assert text(whole).startswith(first["choices"][0].get("text")
+                                      or first["choices"][0]["message"]["content"])
+        assert text(whole).endswith(text(rest))
+
+
 def test_openai_client_unchanged(server):
     openai = pytest.importorskip("openai")
     url, _ = server
@@ -121,6 +157,12 @@ def test_openai_client_unchanged(server):
     ("/v1/completions", {"prompt": [7] * 4000, "max_tokens": 200}, 400, "prompt"),
     ("/v1/embeddings", {"input": "x", "model": "gpt-9"}, 404, "model"),
     ("/v1/embeddings", {"input": [99999]}, 400, "input"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "resume_token_ids": [5, 6, 7]}, 400,
+     "resume_token_ids"),
+    ("/v1/completions", {"prompt": "x", "resume_token_ids": [99999]}, 400, "resume_token_ids"),
+    ("/v1/completions", {"prompt": "x", "resume_token_ids": []}, 400, "resume_token_ids"),
+    ("/v1/completions", {"prompt": ["x", "y"], "resume_token_ids": [5]}, 400, "resume_token_ids"),
+    ("/v1/completions", {"prompt": "x", "return_token_ids": "yes"}, 400, "return_token_ids"),
 ])
 def test_bad_inputs(server, path, body, status, param):
     url, _ = server

@@ -8,11 +8,14 @@ come); when the answer ends, ``release``. A kind goes only to replicas whose rol
 so a dedicated split's embedding replicas get embeddings only.
 
 A replica whose process exits, or that stops answering ``/health``, is taken out of routing at
-once (the router is rebuilt over the replicas up) and every request in flight there ends with
-a ``replica_failed`` error: a 503 before its answer started, an SSE error event mid-stream.
-``POST /admin/replicas/{i}/restart`` starts it again (``--auto-restart``: the gateway does so by
-itself). On SIGTERM the gateway drains: new requests get 503, those in flight finish, then each
-replica drains and exits.
+once (the router is rebuilt over the replicas up) and every request in flight there goes to
+another replica when that is safe (``relay``: embeddings and generations that have sent nothing
+again, streams that have sent tokens continued from them; bounded by ``retry.RetryRules``),
+else ends with a ``replica_failed`` error: a 503 before its answer started, an SSE error event
+mid-stream. ``POST /admin/replicas/{i}/restart`` starts it again (``--auto-restart``: the
+gateway does so by itself); ``POST /admin/replicas/{i}/drain?migrate=true`` takes it out of
+routing and moves its generations to the others at once. On SIGTERM the gateway drains: new
+requests get 503, those in flight finish, then each replica drains and exits.
 """
 
 from __future__ import annotations
@@ -22,14 +25,17 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from orthrus_real.cluster.metrics_text import merge
+from orthrus_real.cluster.relay import Relay
 from orthrus_real.cluster.replicas import SERVES, Replica, ServeOptions
+from orthrus_real.cluster.retry import Quarantine, RetryRules
 from orthrus_real.server.api.errors import error_response
 from orthrus_sim.engine.request import Request as RoutedRequest
 from orthrus_sim.engine.request import RequestKind
@@ -40,9 +46,10 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied r
 ROUTES = {"/v1/embeddings": RequestKind.EMBEDDING, "/v1/completions": RequestKind.GENERATION,
           "/v1/chat/completions": RequestKind.GENERATION}
 FORWARDED_HEADERS = ("content-type", "authorization", "accept")
-REPLICA_HEADER = "x-orthrus-replica"  # which replica answered (responses the gateway relays)
-HEALTH_EVERY_S = 1.0
+HEALTH_EVERY_S = 0.5
 HEALTH_FAILURES = 3  # consecutive failed /health probes take a replica out
+STALL_S = 1.5  # a probe unanswered this long, and no answer bytes from the replica either: it
+# is stalled (routed nothing new, its work moved)
 
 
 class Gateway:
@@ -50,7 +57,8 @@ class Gateway:
 
     def __init__(self, replicas: list[Replica], opts: ServeOptions, rule: str,
                  target_s: float | None = None, pack: float = 1.0, auto_restart: bool = False,
-                 api_key: str | None = None, start_timeout: float = 300.0) -> None:
+                 api_key: str | None = None, start_timeout: float = 300.0,
+                 rules: RetryRules | None = None) -> None:
         self.replicas = replicas
         self.opts = opts
         self.rule, self.target_s, self.pack = rule, target_s, pack
@@ -60,19 +68,29 @@ class Gateway:
         self.owns_replicas = True  # stops them when it exits (Ray Serve stops its own)
         self.draining = False  # DrainingServer's protocol (as an EngineThread's)
         self.failed = None
-        self.outstanding = 0  # requests in flight through the gateway
+        self.outstanding = 0  # requests in flight through the gateway (attempts at a replica)
+        self.rules = rules or opts.retry
+        self.quarantine = Quarantine(self.rules.quarantine_s)
+        self.retrying = 0  # attempts in flight that are retries (the retry budget's count)
+        self.placing = 0  # requests between attempts (placed again after a failure)
+        self.retried: Counter = Counter()  # (kind, why): requests sent again
+        self.migrated: Counter = Counter()  # why: streams continued on another replica
+        self.not_retried: Counter = Counter()  # why a request was not sent again
         self.routed: dict[tuple[int, str], int] = {}
         self.restarting: set[int] = set()
         self._probe_failures: dict[int, int] = {}
+        self._probing: dict[int, asyncio.Task] = {}  # one probe of a replica at a time
         self._tasks: set[asyncio.Task] = set()  # background restarts and probes, kept alive
         self.models: list[dict] = []
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None  # probes, metrics, models, admin
+        self.upstream = None  # upstream.UpstreamPool: the relayed requests (set at start)
         self.tokenizer = _tokenizer(opts.model)
         self.router = self._router()
 
     # ----- routing --------------------------------------------------------------------------
     def _router(self):
-        return make_router(self.rule, [r for r in self.replicas if r.up], self.target_s, self.pack)
+        return make_router(self.rule, [r for r in self.replicas if r.routable],
+                           self.target_s, self.pack)
 
     def reroute(self) -> None:
         """The router over the replicas up now (a replica left or came back)."""
@@ -90,30 +108,36 @@ class Gateway:
             return sum(self._count(x) for x in item)
         return 1
 
-    def routed_request(self, kind: RequestKind, body: bytes) -> RoutedRequest:
-        """What the router weighs: prompt tokens, and for generations the output cap."""
+    def routed_request(self, kind: RequestKind, body: bytes) -> tuple[RoutedRequest, dict]:
+        """What the router weighs: prompt tokens, and for generations the output cap (an
+        estimate from whatever the body holds: the replica validates it and names what is
+        wrong, so a body the gateway cannot read counts one token); and the body's JSON object
+        ({} if it is none)."""
         try:
             doc = json.loads(body)
-        except ValueError:
-            doc = None
-        doc = doc if isinstance(doc, dict) else {}
+            doc = doc if isinstance(doc, dict) else {}
+            n_in, n_out = self._sizes(kind, doc)
+        except (ValueError, TypeError, RecursionError):  # not JSON, too deep, text not Unicode
+            doc, n_in, n_out = {}, 1, 0 if kind is RequestKind.EMBEDDING else 16
+        routed = RoutedRequest(f"gw-{uuid.uuid4().hex}", kind, time.monotonic(), max(n_in, 1),
+                               max_output_tokens=n_out, expected_output_tokens=n_out or None)
+        return routed, doc
+
+    def _sizes(self, kind: RequestKind, doc: dict) -> tuple[int, int]:
         if kind is RequestKind.EMBEDDING:
-            n_in, n_out = self._count(doc.get("input", "")), 0
+            return self._count(doc.get("input", "")), 0
+        prompts = doc.get("prompt")
+        if prompts is None:  # chat
+            messages = doc.get("messages")
+            text = "".join(str(m.get("content", "")) for m in messages
+                           if isinstance(m, dict)) if isinstance(messages, list) else ""
+            n_in, count = self._count(text), 1
         else:
-            prompts = doc.get("prompt")
-            if prompts is None:  # chat
-                messages = doc.get("messages")
-                text = "".join(str(m.get("content", "")) for m in messages
-                               if isinstance(m, dict)) if isinstance(messages, list) else ""
-                n_in, count = self._count(text), 1
-            else:
-                n_in = self._count(prompts)
-                count = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(
-                    prompts[0], int) else 1
-            cap = doc.get("max_completion_tokens") or doc.get("max_tokens") or 16
-            n_out = (cap if isinstance(cap, int) and cap > 0 else 16) * count
-        return RoutedRequest(f"gw-{uuid.uuid4().hex}", kind, time.monotonic(), max(n_in, 1),
-                             max_output_tokens=n_out, expected_output_tokens=n_out or None)
+            n_in = self._count(prompts)
+            count = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(
+                prompts[0], int) else 1
+        cap = doc.get("max_completion_tokens") or doc.get("max_tokens") or 16
+        return n_in, (cap if isinstance(cap, int) and cap > 0 else 16) * count
 
     async def forward(self, request: Request, path: str, kind: RequestKind) -> Response:
         if self.draining:
@@ -122,33 +146,24 @@ class Gateway:
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         loop = asyncio.get_running_loop()
-        routed = await loop.run_in_executor(None, self.routed_request, kind, body)
-        for attempt in range(2):
+        routed, doc = await loop.run_in_executor(None, self.routed_request, kind, body)
+        return await Relay(self, path, kind, body, headers, routed, doc).respond()
+
+    async def place(self, routed: RoutedRequest) -> Replica | None:
+        """The replica the router picks for ``routed``; while none serving its kind is up but
+        one is coming back (restarting), wait for it (at most ``rules.wait_s``)."""
+        deadline = time.monotonic() + self.rules.wait_s
+        while True:
             replica = self.router.route(routed)
-            if replica is None:
-                return error_response(503, f"no replica serving {kind.value} requests is up "
-                                           f"(see /health)", kind="server_error",
-                                      code="no_replica")
-            self.routed[(replica.index, kind.value)] = self.routed.get(
-                (replica.index, kind.value), 0) + 1
-            upstream = self.client.build_request("POST", replica.url + path, content=body,
-                                                 headers=headers)
-            flight = Flight(self, replica, routed)
-            first = await flight.start(upstream)
-            if first[0] == "head":
-                break
-            if first[0] == "retry" and attempt == 0:
-                continue  # it died before taking the request: another replica gets it
-            return error_response(503, first[1], kind="server_error", code="replica_failed")
-        _, status, media_type = first
-        which = {REPLICA_HEADER: str(replica.index)}
-        if media_type and media_type.startswith("text/event-stream"):
-            return StreamingResponse(flight.events(), status_code=status, media_type=media_type,
-                                     headers=which)
-        data, error = await flight.body()
-        if error:
-            return error_response(502, error, kind="server_error", code="replica_failed")
-        return Response(data, status_code=status, media_type=media_type, headers=which)
+            if (replica is not None or not self._coming_back(routed.kind.value)
+                    or time.monotonic() >= deadline):
+                return replica
+            await asyncio.sleep(0.1)
+
+    def _coming_back(self, kind: str) -> bool:
+        return not self.draining and any(
+            kind in SERVES[r.role] and not r.up and not r.draining
+            and (self.auto_restart or r.index in self.restarting) for r in self.replicas)
 
     # ----- replicas up and down -------------------------------------------------------------
     def background(self, coro) -> None:
@@ -164,23 +179,59 @@ class Gateway:
         replica.up = False
         replica.last_exit = reason
         self.reroute()
-        log.warning("replica %d (%s on %s) is down: %s; %d request(s) in flight there end with "
-                    "an error", replica.index, replica.role, replica.spec.device, reason,
-                    len(replica.flights))
-        for task in list(replica.flights):
-            task.cancel(f"replica {replica.index} went down: {reason}")
+        log.warning("replica %d (%s on %s) is down: %s; %d request(s) in flight there go to "
+                    "another replica where that is safe", replica.index, replica.role,
+                    replica.spec.device, reason, len(replica.flights))
+        for attempt in list(replica.flights):
+            attempt.end(f"replica {replica.index} went down: {reason}", "down")
+        if self.upstream is not None:
+            self.upstream.forget(replica.url)  # its kept connections (it restarts on a new port)
         replica.kill()  # if it hangs: gone before a restart
 
-    async def restart(self, replica: Replica) -> None:
-        """Drain and stop the replica if it runs, start it again, route to it once ready."""
+    def stop_routing(self, replica: Replica, why: str) -> None:
+        """No new requests to ``replica`` (it drains); those there finish. Until it is ready
+        again (restarted) or resumed (``resume``)."""
+        if not replica.draining:
+            replica.draining = True
+            self.reroute()
+            log.info("replica %d: no new requests (%s)", replica.index, why)
+
+    async def drain_replica(self, replica: Replica, migrate: bool, timeout: float = 300.0) -> dict:
+        """Out of routing; with ``migrate`` its generations move to other replicas now (streams
+        continue from their tokens), the rest finish there; returns once nothing is left there
+        (or after ``timeout``)."""
+        self.stop_routing(replica, "drained" + (" with migration" if migrate else ""))
+        moved = 0
+        if migrate:
+            for attempt in list(replica.flights):
+                if attempt.movable:
+                    attempt.end(f"replica {replica.index} was drained", "moved")
+                    moved += 1
+        deadline = time.monotonic() + timeout
+        while replica.flights and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return {"replica": replica.index, "status": "drained" if not replica.flights else "draining",
+                "moved": moved, "in_flight": len(replica.flights)}
+
+    def resume(self, replica: Replica) -> None:
+        """A drained replica is routed to again."""
+        replica.draining = False
+        self.reroute()
+
+    async def restart(self, replica: Replica, migrate: bool = False) -> None:
+        """Drain and stop the replica if it runs (``migrate``: its generations move to the
+        others first), start it again, route to it once ready."""
         if replica.index in self.restarting:
             return
         self.restarting.add(replica.index)
         try:
+            if migrate and replica.up:
+                await self.drain_replica(replica, True)
             if replica.up:
                 replica.up = False
                 self.reroute()
             await asyncio.to_thread(replica.stop)
+            replica.draining = False
             replica.start(self.opts)  # in the loop's (main) thread: the child's parent-death signal
             await asyncio.to_thread(replica.wait_ready, self.start_timeout)
             replica.restarts += 1
@@ -204,12 +255,12 @@ class Gateway:
         """No new requests; wait (at most ``timeout``) for those in flight; how many are left."""
         self.draining = True
         deadline = time.monotonic() + timeout
-        while self.outstanding and time.monotonic() < deadline:
+        while (self.outstanding or self.placing) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return self.outstanding
+        return self.outstanding + self.placing
 
     async def monitor(self) -> None:
-        """Every 0.2 s: a replica whose process exited goes down; every second each one up is
+        """Every 0.2 s: a replica whose process exited goes down; every half second each one up is
         probed (``HEALTH_FAILURES`` failed probes in a row: down); with auto-restart, a replica
         down is started again."""
         last_probe = 0.0
@@ -223,10 +274,39 @@ class Gateway:
                     self.background(self.restart(r))
             if time.monotonic() - last_probe >= HEALTH_EVERY_S:
                 last_probe = time.monotonic()
-                await asyncio.gather(*(self._probe(r) for r in self.replicas if r.up))
+                await asyncio.gather(*(self.probe(r) for r in self.replicas if r.up))
             await asyncio.sleep(0.2)
 
-    async def _probe(self, replica: Replica) -> None:
+    async def still_there(self, replica: Replica) -> bool:
+        """After an exchange with ``replica`` failed: is the replica itself still there? Its
+        process (an exit shows within a moment of the connection's end), then a probe of its
+        own (not one begun before the failure); taken down if not."""
+        asked = time.monotonic()
+        for _ in range(10):
+            code = replica.exited()
+            if code is not None:
+                self.take_down(replica, f"its process exited with code {code}")
+                return False
+            await asyncio.sleep(0.02)
+        running = self._probing.get(replica.index)
+        if running is not None and running.started < asked:  # begun before: its answer is old
+            await asyncio.shield(running)
+        await self.probe(replica)
+        return replica.up
+
+    async def probe(self, replica: Replica) -> None:
+        """Ask ``replica`` for ``/health`` (callers at the same time share one probe, so a burst
+        of failed requests counts as one failure)."""
+        task = self._probing.get(replica.index)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._probe_once(replica))
+            task.started = time.monotonic()
+            self._probing[replica.index] = task
+            task.add_done_callback(lambda _: self._probing.pop(replica.index, None))
+        await asyncio.shield(task)
+
+    async def _probe_once(self, replica: Replica) -> None:
+        watchdog = asyncio.get_running_loop().call_later(STALL_S, self.stalled, replica)
         try:
             r = await self.client.get(replica.url + "/health", timeout=2.0, headers=self.headers)
             ok = r.status_code == 200 or (r.status_code == 503 and "draining" in r.text)
@@ -235,17 +315,41 @@ class Gateway:
             return
         except httpx.HTTPError:
             ok = False
+        finally:
+            watchdog.cancel()
         n = 0 if ok else self._probe_failures.get(replica.index, 0) + 1
         self._probe_failures[replica.index] = n
+        if ok and replica.stalled:
+            replica.stalled = False
+            self.reroute()
+            log.info("replica %d answers again: routed to", replica.index)
         if n >= HEALTH_FAILURES and replica.up:
             self.take_down(replica, f"no answer to /health {n} times in a row")
 
+    def stalled(self, replica: Replica) -> None:
+        """A replica that has not answered a probe within ``STALL_S``, nor sent a byte of any
+        answer meanwhile (a hung process, a stopped one): routed nothing new, and what runs
+        there moves to the others now (it is safe to: embeddings, generations as on a drain),
+        instead of waiting for it."""
+        if (not replica.up or replica.stalled
+                or time.monotonic() - replica.last_heard < STALL_S):  # busy, but answering
+            return
+        replica.stalled = True
+        self.reroute()
+        moving = [a for a in replica.flights if a.movable or a.relay.kind is RequestKind.EMBEDDING]
+        log.warning("replica %d did not answer /health within %.1f s: routed nothing new; %d "
+                    "request(s) there move to other replicas", replica.index, STALL_S,
+                    len(moving))
+        for attempt in moving:
+            attempt.end(f"replica {replica.index} stalled (no answer to /health in {STALL_S} s)",
+                        "stalled")
+
     # ----- what the cluster reports ---------------------------------------------------------
     def health(self) -> tuple[int, dict]:
-        up = {k for r in self.replicas if r.up for k in SERVES[r.role]}
+        up = {k for r in self.replicas if r.routable for k in SERVES[r.role]}
         missing = sorted(self.serves() - up)
         status = ("draining" if self.draining else "down" if missing
-                  else "degraded" if not all(r.up for r in self.replicas) else "ok")
+                  else "degraded" if not all(r.routable for r in self.replicas) else "ok")
         doc = {"status": status, "router": self.router.rule, "replicas": [r.status()
                                                                           for r in self.replicas]}
         if missing:
@@ -268,6 +372,28 @@ class Gateway:
                                                "started again", labels=["replica"])
                 routed = CounterMetricFamily("orthrus_cluster_routed", "Requests routed, by "
                                              "replica and kind", labels=["replica", "kind"])
+                retried = CounterMetricFamily("orthrus_cluster_retries", "Requests the gateway "
+                                              "sent again, by kind and why (down: the replica "
+                                              "failed with it; lost: the connection failed, not "
+                                              "the replica; stalled: the replica hung; refused: "
+                                              "it never reached the engine; moved: a drain "
+                                              "moved it)", labels=["kind", "why"])
+                for (kind, why), n in sorted(gateway.retried.items()):
+                    retried.add_metric([kind, why], n)
+                moved = CounterMetricFamily("orthrus_cluster_migrations", "Streams that went on "
+                                            "on another replica from the tokens they had sent",
+                                            labels=["why"])
+                for why, n in sorted(gateway.migrated.items()):
+                    moved.add_metric([why], n)
+                refused = CounterMetricFamily("orthrus_cluster_not_retried", "Requests whose "
+                                              "replica failed and that were not sent again, by "
+                                              "rule", labels=["why"])
+                for why, n in sorted(gateway.not_retried.items()):
+                    refused.add_metric([why], n)
+                quarantined = CounterMetricFamily("orthrus_cluster_quarantined", "Requests "
+                                                  "failed because replicas went down with them")
+                quarantined.add_metric([], gateway.quarantine.total)
+                yield from (retried, moved, refused, quarantined)
                 for r in gateway.replicas:
                     i = str(r.index)
                     up.add_metric([i, r.role], 1.0 if r.up else 0.0)
@@ -306,90 +432,6 @@ class Gateway:
 
     def any_up(self) -> Replica | None:
         return next((r for r in self.replicas if r.up), None)
-
-
-class Flight:
-    """One request's exchange with a replica, run in its own task (``replica.flights``) so that
-    a replica going down can end it; what comes back goes through a queue to the client."""
-
-    def __init__(self, gateway: Gateway, replica: Replica, routed: RoutedRequest) -> None:
-        self.gateway, self.replica, self.routed = gateway, replica, routed
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.task: asyncio.Task | None = None
-
-    async def start(self, upstream: httpx.Request) -> tuple:
-        """Send it; the first item: ``("head", status, content type)``, ``("retry", why)``
-        (refused before the replica took it) or ``("error", why)``."""
-        gw, replica = self.gateway, self.replica
-        work = self.routed.remaining_work(True)
-        replica.outstanding_work += work
-        gw.outstanding += 1
-        self.task = asyncio.create_task(self._pump(upstream, work))
-        replica.flights.add(self.task)
-        return await self.queue.get()
-
-    async def _pump(self, upstream: httpx.Request, work: int) -> None:
-        gw, replica = self.gateway, self.replica
-        started = False
-        try:
-            resp = await gw.client.send(upstream, stream=True)
-            try:
-                started = True
-                self.queue.put_nowait(("head", resp.status_code, resp.headers.get("content-type")))
-                async for chunk in resp.aiter_raw():
-                    self.queue.put_nowait(("data", chunk))
-                self.queue.put_nowait(("end",))
-            finally:
-                await resp.aclose()
-        except asyncio.CancelledError as exc:
-            reason = exc.args[0] if exc.args else f"replica {replica.index}: request cancelled"
-            self.queue.put_nowait(("error", reason))
-            raise
-        except httpx.HTTPError as exc:
-            refused = isinstance(exc, httpx.ConnectError) and not started
-            reason = (f"replica {replica.index} failed "
-                      f"{'mid-answer' if started else 'before answering'}: "
-                      f"{type(exc).__name__}: {exc}")
-            self.queue.put_nowait(("retry" if refused else "error", reason))
-            if replica.exited() is not None:
-                gw.take_down(replica, f"its process exited with code {replica.exited()}")
-            elif refused:  # nothing listens there any more
-                gw.take_down(replica, reason)
-            else:
-                gw.background(gw._probe(replica))
-        finally:
-            replica.flights.discard(self.task)
-            replica.outstanding_work -= work
-            gw.outstanding -= 1
-            gw.router.release(self.routed)
-
-    async def body(self) -> tuple[bytes, str | None]:
-        parts = []
-        while True:
-            item = await self.queue.get()
-            if item[0] == "data":
-                parts.append(item[1])
-            elif item[0] == "end":
-                return b"".join(parts), None
-            else:
-                return b"", item[1]
-
-    async def events(self):
-        try:
-            while True:
-                item = await self.queue.get()
-                if item[0] == "data":
-                    yield item[1]
-                elif item[0] == "end":
-                    return
-                else:  # the replica went away mid-stream: say so, and end the stream
-                    yield ("data: " + json.dumps({"error": {
-                        "message": item[1], "type": "server_error", "param": None,
-                        "code": "replica_failed"}}) + "\n\n").encode()
-                    return
-        finally:
-            if self.task is not None and not self.task.done():
-                self.task.cancel("the client went away")  # the replica aborts the request
 
 
 def _tokenizer(model: str):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
 
 from orthrus_real.cluster.devices import Device, cpus_text
+from orthrus_real.cluster.retry import RetryRules
 from orthrus_real.engine.settings import EXECUTOR_FIELDS
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.experiment.plan import ReplicaPlan, plan_configuration
@@ -112,6 +113,7 @@ class ServeOptions:
     cuda_graphs: bool | None = None
     static_step: bool | None = None
     cpu_gemm: str | None = None
+    retry: RetryRules = field(default_factory=RetryRules)  # the gateway's (serve --retries ...)
 
 
 def child_command(spec: ReplicaSpec, opts: ServeOptions, port: int) -> list[str]:
@@ -171,8 +173,11 @@ class Replica:
     port: int = 0
     process: subprocess.Popen | None = None
     up: bool = False
+    draining: bool = False  # up, but routed nothing new (a drain, or it answered 503 draining)
+    stalled: bool = False  # up, but late to answer /health: routed nothing until it answers
+    last_heard: float = 0.0  # time.monotonic() of its last answer bytes to the gateway
     outstanding_work: int = 0  # tokens routed here and not finished
-    flights: set = field(default_factory=set)  # asyncio tasks talking to this replica now
+    flights: set = field(default_factory=set)  # the gateway's attempts (relay.Attempt) here now
     restarts: int = 0
     engine: dict = field(default_factory=dict)  # what the engine logged it loaded (/engine)
     last_exit: str | None = None
@@ -195,6 +200,11 @@ class Replica:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def routable(self) -> bool:
+        """Up, and new requests may go to it."""
+        return self.up and not self.draining and not self.stalled
+
+    @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
@@ -204,7 +214,7 @@ class Replica:
         self.engine = engine
         self.policy.config = replace(self.spec.plan.config, num_blocks=engine["num_blocks"],
                                      block_size=engine["block_size"])
-        self.up = True
+        self.up, self.draining, self.stalled = True, False, False
 
     # ----- the process ----------------------------------------------------------------------
     def start(self, opts: ServeOptions) -> None:
@@ -278,7 +288,8 @@ class Replica:
 
     def status(self) -> dict:
         return {"replica": self.index, "role": self.role, "device": str(self.spec.device),
-                "policy": self.spec.plan.policy, "up": self.up,
+                "policy": self.spec.plan.policy, "up": self.up, "draining": self.draining,
+                "stalled": self.stalled,
                 "pid": self.pid, "url": self.url,
                 "outstanding_tokens": self.outstanding_work, "in_flight": len(self.flights),
                 "restarts": self.restarts, "last_exit": self.last_exit,

@@ -13,6 +13,7 @@ from orthrus_real.cluster.replicas import (
     check_configuration,
     stop_all,
 )
+from orthrus_real.cluster.retry import RetryRules
 from orthrus_sim.experiment.scenario import Scenario, load_scenario, parse_scenario
 
 log = logging.getLogger("orthrus")
@@ -23,13 +24,18 @@ def cluster_from_cli(o: dict, chunk: int | str | None):
     started and ready when this returns (errors raise ValueError/RuntimeError first)."""
     if o["replicas"] is not None and o["replicas"] < 1:
         raise ValueError(f"--replicas must be >= 1, got {o['replicas']}")
+    if o["retries"] < 0:
+        raise ValueError(f"--retries must be >= 0, got {o['retries']}")
+    if not 0 <= o["retry_budget"] <= 1:
+        raise ValueError(f"--retry-budget must be in [0, 1], got {o['retry_budget']}")
     opts = ServeOptions(str(o["model"]), o["kv_cache_tokens"], o["max_queued"], o["max_body_bytes"],
                         o["served_model_name"], o["pooling"], o["dtype"], o["backend"],
                         o["max_inputs_per_request"], o["calibration"],
                         model_limit_given=o["max_model_len"] is not None,
                         log_level=o["log_level"], api_key=o["api_key"],
                         attention=o["attention"], cuda_graphs=o["cuda_graphs"],
-                        static_step=o["static_step"], cpu_gemm=o["cpu_gemm"])
+                        static_step=o["static_step"], cpu_gemm=o["cpu_gemm"],
+                        retry=RetryRules(per_request=o["retries"], budget=o["retry_budget"]))
     adapter = o["embedding_adapter"]
     args = ClusterArgs(o["replicas"], o["configuration"], o["devices"] or o["device"], o["router"],
                        o["threads"], str(adapter) if adapter else None, o["auto_restart"])

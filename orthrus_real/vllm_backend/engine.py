@@ -103,8 +103,10 @@ class VllmEngine(EngineBase):
         from vllm import SamplingParams
 
         p = req.payload.params
-        sp = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
-                            top_p=p.top_p, seed=p.seed, stop_token_ids=list(p.stop_token_ids),
+        # max_output_tokens: a resumed request's tokens still to generate (its prompt holds the rest)
+        sp = SamplingParams(max_tokens=req.max_output_tokens, temperature=p.temperature,
+                            top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+                            stop_token_ids=list(p.stop_token_ids),
                             ignore_eos=p.ignore_eos, detokenize=False)
         eos = list(self.cfg.eos_token_ids)
         if eos and not p.ignore_eos:

@@ -173,6 +173,10 @@ class _Sampling(_Truncating):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's; its clients send 1.0
     min_p: float | None = None  # vLLM's
+    return_token_ids: StrictBool | None = None  # vLLM's: each choice's token ids in its answer
+    # the output tokens this generation already has (a gateway moving it off a replica that went
+    # down): prefilled with the prompt, counted in max_tokens, and only what follows is answered
+    resume_token_ids: TokenList | None = None
 
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         "n": (1,), "logprobs": (False, None), "logit_bias": ({},),
@@ -183,6 +187,8 @@ class _Sampling(_Truncating):
         super().check_supported()
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed with stream: true")
+        if self.resume_token_ids is not None and not self.resume_token_ids:
+            raise ParameterError("resume_token_ids", "resume_token_ids must not be empty")
 
     def tokens_to_generate(self, default: int = 16) -> int:
         return self.max_tokens if self.max_tokens is not None else default

@@ -3,6 +3,12 @@
 A list of prompts gives one choice per prompt (``index`` in order); streamed, the choices'
 chunks interleave as tokens come. ``stream_options.include_usage`` adds a last chunk with the
 usage and no choices, as OpenAI's API does.
+
+Two extensions: ``return_token_ids`` (vLLM's) adds each choice's ``token_ids`` (streamed: the
+chunk's new ones) and, once, its ``prompt_token_ids``; ``resume_token_ids`` continues a
+generation from output tokens it already has (the cluster's gateway moving a stream off a replica
+that went down): a stream sends only what follows them (and no role chunk: the stream it
+continues had one), a whole answer holds them too; ``usage`` and ``max_tokens`` count them.
 """
 
 from __future__ import annotations
@@ -37,12 +43,17 @@ def _params(ctx: ServerContext, body, prompt_ids: list[int], param: str, chat: b
         params = SamplingParams(**{**body.sampling_kwargs(), "max_tokens": wanted})
     except ValueError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), str(exc).split()[0]) from None
-    return dict(token_ids=prompt_ids, params=params)
+    return dict(token_ids=prompt_ids, params=params, resume_ids=body.resume_token_ids)
 
 
 async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request: Request, chat: bool):
     param = "messages" if chat else "prompt"
     model = body.model or ctx.served_name
+    if body.resume_token_ids and len(prompts) != 1:
+        raise ApiError(400, f"resume_token_ids continues one generation; this request has "
+                            f"{len(prompts)} prompts", "resume_token_ids")
+    resumed = len(body.resume_token_ids or ())
+    with_ids = bool(body.return_token_ids)
     kwargs = [_params(ctx, body, ids, param, chat) for ids in prompts]
     pending: list[tuple[str, asyncio.Queue]] = []
     try:
@@ -61,6 +72,8 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
                     choice["message"] = {"role": "assistant", "content": out.text}
                 else:
                     choice["text"] = out.text
+                if with_ids:
+                    choice["prompt_token_ids"], choice["token_ids"] = prompts[i], out.token_ids
                 choices.append(choice)
             completion = sum(len(o.token_ids) for o in outs)
             return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
@@ -90,9 +103,10 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
         forwarders = [asyncio.create_task(forward(i, q)) for i, (_, q) in enumerate(pending)
                       if not (isinstance(firsts[i], Exception) or firsts[i].finished)]
         done: set[int] = set()
-        completion = 0
+        seen: set[int] = set()  # choices whose prompt_token_ids were sent
+        completion = resumed
         try:
-            if chat:
+            if chat and not resumed:
                 for i in range(len(pending)):
                     yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": model,
                                 "choices": [{"index": i, "delta": {"role": "assistant"},
@@ -111,6 +125,11 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
                 else:
                     choice = {"index": i, "text": item.new_text, "logprobs": None,
                               "finish_reason": item.finish_reason}
+                if with_ids:
+                    choice["token_ids"] = item.new_token_ids
+                    if i not in seen:
+                        choice["prompt_token_ids"] = prompts[i]
+                        seen.add(i)
                 yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": model,
                             "choices": [choice]})
                 if item.finished:

@@ -131,7 +131,7 @@ class ServerContext:
     @staticmethod
     def raise_for(item, param: str) -> None:
         if isinstance(item, RequestRejected | ValueError):
-            raise ApiError(400, str(item), param)
+            raise ApiError(400, str(item), getattr(item, "param", None) or param)
         if isinstance(item, Exception):
             raise ApiError(500, f"engine error: {item}", kind="server_error", code="engine_error")
 

@@ -78,6 +78,13 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail),
                               code="not_found" if exc.status_code == 404 else None)
 
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_, exc: RecursionError):
+        if "JSON" not in str(exc):
+            raise exc  # a bug: the 500 below
+        return error_response(400, f"the request body nests too deeply to parse ({exc})",
+                              code="invalid_json")
+
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):  # a bug: still JSON, and logged in full
         log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc,
