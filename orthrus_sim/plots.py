@@ -55,6 +55,33 @@ def run_plots(name: str, runs: list[dict], requests: dict[str, list[dict]],
     throughput_bars(runs, out / "throughput.png", f"{name}: throughput")
     latency_cdfs(runs, requests, out / "latency_cdf.png", f"{name}: latency CDFs")
     timelines_plot(runs, timelines, out / "timeline.png", f"{name}: utilisation and queue")
+    placed = [r for r in runs if r["metrics"].get("placement", {}).get("demand")]
+    if placed:
+        placement_plot(placed, out / "placement.png", f"{name}: placement plans and demand")
+
+
+def placement_plot(runs: list[dict], path: Path, title: str) -> None:
+    """Per run with the adaptive router: the demand it observed (work in flight per kind) and
+    the replicas it put on the decoding side (riders marked), over time."""
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.2 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        log = run["metrics"]["placement"]["demand"]
+        t = [r["time_s"] for r in log]
+        ax.plot(t, [r["generations"] for r in log], label="generations in flight", color="C1")
+        ax.plot(t, [r["embeddings"] for r in log], label="embeddings in flight", color="C0")
+        ax.set_ylabel("in flight")
+        side = ax.twinx()
+        side.step(t, [r["decoding"] for r in log], where="post", color="k",
+                  label="decoding replicas")
+        ride = [(x, r["decoding"]) for x, r in zip(t, log) if r["riders"]]
+        if ride:
+            side.plot(*zip(*ride), "k.", markersize=3, label="with riders")
+        side.set_ylabel("decoding replicas")
+        side.set_ylim(-0.2, max(r["decoding"] for r in log) + 0.5)
+        side.legend(fontsize=8, loc="upper right")
+        ax.set_title(run["configuration"], fontsize=9)
+        ax.set_xlabel("time (s)")
+    _finish(fig, list(axes[:, 0]), path, title)
 
 
 def throughput_bars(runs: list[dict], path: Path, title: str) -> None:

@@ -33,12 +33,12 @@ class FakeReplica:
     policy: FakePolicy = field(default_factory=FakePolicy)
 
 
-def gen(i: int) -> Request:
-    return Request(f"g{i}", RequestKind.GENERATION, 0.0, 128, max_output_tokens=512)
+def gen(i: int, at: float = 0.0) -> Request:
+    return Request(f"g{i}", RequestKind.GENERATION, at, 128, max_output_tokens=512)
 
 
-def emb(i: int) -> Request:
-    return Request(f"e{i}", RequestKind.EMBEDDING, 0.0, 128)
+def emb(i: int, at: float = 0.0) -> Request:
+    return Request(f"e{i}", RequestKind.EMBEDDING, at, 128)
 
 
 def test_round_robin_alternates_per_kind_and_split_placements_route_by_kind():
@@ -56,39 +56,44 @@ def test_least_work_sends_work_to_the_idle_replica():
     assert Router(reps, "least-work").route(emb(0)).index == 1
 
 
-def test_adaptive_packs_generations_while_embeddings_queue():
+def test_adaptive_plans_a_split_for_the_demand_and_follows_it():
+    """Embeddings queued everywhere and a light generation load: the plan gives generations
+    one replica and embeddings the rest; a heavy generation load grows the decoding side once
+    the larger side has been the better plan for ``DWELL_S``; when the generations leave, the
+    side drains back to embedding."""
     reps = [FakeReplica(i) for i in range(4)]
-    router = make_router("adaptive", reps, TARGET)
-    for i in range(400):  # embeddings queue on every replica
+    router = make_router("adaptive", reps, TARGET, closed_loop=True)
+    for i in range(400):
         router.route(emb(i))
-    assert all(router.load[r.index].embed_tokens for r in reps)
-    placed = [router.route(gen(i)).index for i in range(40)]
-    # a light generation load sits on one replica: its decodes stay within the target
-    assert len(set(placed)) == 1
-    assert len(router.decoding()) == 1
-    decoding = router.decoding()[0].index
-    # new embeddings go mostly to the replicas that do not decode; some ride with the decodes
+    placed = [router.route(gen(i, 1.0)).index for i in range(8)]
+    assert router.plan.assignment.decoding == 1 and len(set(placed)) == 1
+    decoding = placed[0]
     counts = [0] * 4
-    for i in range(400, 460):
-        counts[router.route(emb(i)).index] += 1
-    assert counts[decoding] < min(c for i, c in enumerate(counts) if i != decoding)
-    # a heavy generation load grows the decoding side one replica at a time
-    more = [router.route(gen(100 + i)).index for i in range(400)]
-    assert len(router.decoding()) > 1 and len(set(more)) == len(router.decoding())
-    # a replica whose generations all left goes back to embeddings
-    for i in range(40):
+    for i in range(400, 460):  # new embeddings go to the embedding side
+        counts[router.route(emb(i, 1.5)).index] += 1
+    assert counts[decoding] == 0 and all(counts[i] for i in range(4) if i != decoding)
+    more = [router.route(gen(100 + i, 2.0 + i / 50)).index for i in range(400)]
+    assert router.plan.assignment.decoding > 1
+    assert len(set(more)) == len(router.decoding()) >= router.plan.assignment.decoding
+    for i in range(8):
         router.release(gen(i))
     for i in range(400):
         router.release(gen(100 + i))
+    router.route(emb(998, 20.0))  # no generation in flight: a better plan, kept DWELL_S
+    router.route(emb(999, 20.0 + router.DWELL_S))
+    # at most one replica stays on the decoding side (generations arrived in the window),
+    # with embeddings riding where its decodes would be
     assert router.decoding() == []
+    assert router.plan.assignment.decoding == 0 or router.plan.assignment.riders
+    assert [d["assignment"] for d in router.decisions][:2] == ["4:0", "3:1"]
+    assert {c["role"] for c in router.role_changes} >= {"decoding"}
 
 
 def test_adaptive_spreads_generations_when_no_embedding_waits():
-    """With no embedding work, a replica on the embedding side is spare: generations spread
-    (each decode step shorter) instead of packing."""
+    """With no embedding work, every replica decodes: each decode step is shorter."""
     reps = [FakeReplica(i) for i in range(4)]
     router = make_router("adaptive", reps, TARGET)
-    assert {router.route(gen(i)).index for i in range(40)} == {0, 1, 2, 3}
+    assert {router.route(gen(i, i / 4)).index for i in range(40)} == {0, 1, 2, 3}
 
 
 def test_adaptive_needs_a_target():

@@ -10,6 +10,7 @@ from orthrus_sim.costmodel.operators import (
     decode_attention_rates,
     decode_attention_work_at,
     decode_attention_work_steps,
+    lora_shapes,
     operator_work,
     token_work,
     variable_work,
@@ -39,6 +40,15 @@ class CostModel:
         self._token_cache: dict[int, tuple[float, float, float]] = {}
         self._base_cache: dict[tuple, tuple[float, float, float]] = {}
         self._attention_rates = decode_attention_rates(model)
+
+    def adapter_merge_s(self) -> float:
+        """Seconds to merge the embedding adapter into the weights it targets (or take it out
+        again): every targeted weight read and written once (``W += B A``; its FLOPs are a
+        rank's worth per weight, negligible)."""
+        if self.lora is None:
+            return 0.0
+        weights = sum(n_in * n_out for n_in, n_out in lora_shapes(self.model, self.lora))
+        return 2 * weights * self.model.num_layers * self.model.dtype_bytes / self.hardware.mem_bw
 
     def _op_time(self, name: str, flops: float, bytes_: float) -> float:
         if flops == 0.0 and bytes_ == 0.0:

@@ -122,6 +122,9 @@ class FactoredCostModel:
     def shape_work(self, shape: BatchShape, steps: int = 1) -> tuple[float, float]:
         return self.base.shape_work(shape, steps)
 
+    def adapter_merge_s(self) -> float:
+        return self.base.adapter_merge_s()
+
     def breakdown(self, shape: BatchShape) -> dict[str, float]:
         return self.base.breakdown(shape)
 

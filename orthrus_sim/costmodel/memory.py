@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from orthrus_sim.costmodel.hardware import Hardware
 from orthrus_sim.costmodel.model import LoRASpec, ModelSpec
-from orthrus_sim.costmodel.operators import _lora_shapes
+from orthrus_sim.costmodel.operators import lora_shapes
 
 
 def lora_bytes(model: ModelSpec, lora: LoRASpec | None) -> int:
     if lora is None:
         return 0
-    per_layer = sum(lora.rank * (n_in + n_out) for n_in, n_out in _lora_shapes(model, lora))
+    per_layer = sum(lora.rank * (n_in + n_out) for n_in, n_out in lora_shapes(model, lora))
     return per_layer * model.num_layers * model.dtype_bytes
 
 

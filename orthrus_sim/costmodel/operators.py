@@ -30,7 +30,7 @@ def _linear(rows: float, n_in: int, n_out: int, b: int) -> tuple[float, float]:
     return 2.0 * rows * n_in * n_out, b * (n_in * n_out + rows * (n_in + n_out))
 
 
-def _lora_shapes(model: ModelSpec, lora: LoRASpec) -> list[tuple[int, int]]:
+def lora_shapes(model: ModelSpec, lora: LoRASpec) -> list[tuple[int, int]]:
     d, i = model.hidden_size, model.intermediate_size
     dims = {"q_proj": (d, model.q_width), "k_proj": (d, model.kv_width),
             "v_proj": (d, model.kv_width), "o_proj": (model.q_width, d),
@@ -75,7 +75,7 @@ def variable_work(model: ModelSpec, shape: BatchShape,
     if lora is not None and shape.lora_rows:
         flops = bytes_ = 0.0
         r, rows = lora.rank, shape.lora_rows
-        for n_in, n_out in _lora_shapes(model, lora):
+        for n_in, n_out in lora_shapes(model, lora):
             flops += 2.0 * rows * r * (n_in + n_out)
             bytes_ += b * (r * (n_in + n_out) + rows * (n_in + n_out + 2 * r))
         work["lora"] = (flops, bytes_)

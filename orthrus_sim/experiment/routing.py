@@ -17,9 +17,11 @@ Rules (``cluster.router``):
   that replica's cost model: the prompt/embedding tokens queued there and its own as chunked
   iterations beside the replica's decodes, then (a generation) its output as decode steps
   shared with them (``LeastPredictedTime``, docs/routing.md);
-* ``adaptive`` (unified replicas with ``scheduler.tpot_target_s``): generations are *packed*
-  onto as few replicas as hold the target, embeddings go where they finish soonest: a split
-  that follows the mix (``AdaptivePlacement``, docs/scheduler.md "Adaptive placement").
+* ``adaptive`` (unified replicas with ``scheduler.tpot_target_s``): the placement planner
+  (``placement.py``) picks, from the demand observed, how many replicas decode and whether
+  embeddings ride beside their decodes, re-planning as the demand moves; generations spread
+  over the decoding side, embeddings go where they finish soonest (``AdaptivePlacement``,
+  docs/scheduler.md "Adaptive placement").
 
 A kind goes only to replicas whose role serves it (``ROLES_FOR``): that is the routing by kind of
 the split placements (Dedicated N:M, Disagg-PD), whatever the rule.
@@ -28,13 +30,19 @@ the split placements (Dedicated N:M, Disagg-PD), whatever the rule.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orthrus_sim.costmodel.shape import BatchShape
-from orthrus_sim.engine.batch import ItemKind
 from orthrus_sim.engine.request import Request, RequestKind
+from orthrus_sim.experiment.placement import (
+    Assignment,
+    Demand,
+    PlacementPlanner,
+    Prediction,
+    chunk_rate,
+    decode_shape,
+)
 
 ROUTERS = ("round-robin", "least-work", "least-predicted-time", "adaptive")
 
@@ -139,7 +147,7 @@ class _Booked(Router):
         key = (replica.index, decodes, decode_kv >> 12)
         rate = self._rates.get(key)
         if rate is None:
-            rate = self._rates[key] = _chunk_rate(replica, decodes, decode_kv, target_s)
+            rate = self._rates[key] = chunk_rate(replica, decodes, decode_kv, target_s)
         return rate
 
 
@@ -198,7 +206,7 @@ class LeastPredictedTime(_Booked):
         kv = (load.decode_kv + request.input_len + request.expected_output_tokens // 2) * slots // n
         waits = max(1.0, n / cfg.max_num_seqs, (load.final_kv + request.input_len
                     + request.expected_output_tokens) / (cfg.num_blocks * cfg.block_size))
-        step = replica.cost.shape_time(_decode_shape(slots, kv))
+        step = replica.cost.shape_time(decode_shape(slots, kv))
         return seconds + request.expected_output_tokens * waits * step
 
     def _chunk_s(self, replica: Any, request: Request) -> float:
@@ -232,43 +240,38 @@ class LeastPredictedTime(_Booked):
 
 
 class AdaptivePlacement(_Booked):
-    """Generations on as few replicas as hold the target, embeddings where they finish first:
-    co-serving that places work like the best split for the mix of the moment.
+    """Co-serving placed by the planner (``placement.PlacementPlanner``): every ``REPLAN_S`` of
+    the requests' clock the demand it observed (work in flight and arrivals over
+    ``WINDOW_S`` per kind) picks how many replicas decode and whether embeddings ride beside
+    their decodes; the static splits are among the assignments it weighs, so it places work at
+    least as well as the best of them, as predicted by the replicas' cost model.
 
-    Replicas on the *decoding* side take generations (embeddings ride in what the target leaves
-    beside their decodes); the others embed with their whole budget.
+    * A generation goes to the decoding replica with the fewest generations that has a decode
+      slot and KV blocks for every placed generation's expected final length (else the one
+      with the fewest).
+    * An embedding goes where it is predicted to finish first among the embedding side, and
+      the decoding side too when the plan lets embeddings ride (queued embedding tokens over
+      the replica's embedding rate: a full budget with no decodes, the chunk tokens that fit
+      beside its decodes within the target otherwise).
 
-    * A generation goes to the decoding replica on which the iteration with it is predicted
-      shortest (the replica's decodes and the newcomer's, each at mid-output context, beside one
-      ``min_chunk_tokens`` prompt chunk), among those where that iteration is within
-      ``pack x tpot_target_s`` and a decode slot and KV blocks for every placed generation's
-      expected final length remain. If none qualifies, the decoding side grows: a draining
-      replica with room comes back first, else the embedding replica with the least outstanding
-      work joins.
-    * An embedding replica with less than one target period of embedding work queued joins
-      the side even when the side has room (embeddings do not need it; spreading generations
-      makes every decode step shorter).
-    * The side shrinks when embeddings queue everywhere (more than ``SHRINK_BACKLOG`` target
-      periods of work on every replica) and its generations would fit one replica fewer at
-      ``SHRINK_AT`` of the limit: the decoding replica with the fewest generations *drains*
-      (takes no new generation) and embeds again once its last one leaves.
-    * An embedding goes to the replica where it is predicted to finish first: queued embedding
-      tokens over the replica's embedding rate (a full budget of chunks with no decodes; the
-      chunk tokens that fit beside its decodes within the target otherwise).
-
-    Stability: the side grows when no decoding replica can take a generation within the limit
-    or a replica has no embedding work, and shrinks only when embeddings queue everywhere and
-    the rest would hold the generations at ``SHRINK_AT`` of the limit, bands wide enough
-    that a mix sitting at a boundary does not move a replica back and forth; a replica
-    leaves the side only by draining, so no generation is moved. A decode is predicted at
-    mid-output context (``input_len + expected_output_tokens / 2``), the steady-state mean,
-    so the estimate does not move with every token.
+    Role changes: a replica joins the decoding side at once (draining ones first, else the
+    embedding replica with the least outstanding work) and leaves it only by *draining*: it
+    takes no new generation and embeds once its last one leaves, so no generation moves.
+    Stability: the plan changes when the current one no longer holds the target (at once),
+    or when another assignment predicts more than ``PlacementPlanner.HYSTERESIS`` above it at
+    the same demand and has done so at every plan for ``DWELL_S``; a demand wavering at a
+    boundary between two assignments moves nothing, or at most once per ``DWELL_S``.
+    Decisions are kept in ``decisions`` (plans that changed the assignment), ``role_changes``
+    (per replica) and ``demand_log`` (the demand and assignment at every plan) for the
+    results.
     """
 
-    SHRINK_AT = 0.8
-    SHRINK_BACKLOG = 10
+    REPLAN_S = 1.0
+    WINDOW_S = 10.0
+    DWELL_S = 3.0
 
-    def __init__(self, replicas: list[Any], target_s: float | None, pack: float = 1.0) -> None:
+    def __init__(self, replicas: list[Any], target_s: float | None, pack: float = 1.0,
+                 closed_loop: bool = False) -> None:
         super().__init__(replicas, "adaptive")
         if target_s is None:
             raise ValueError("cluster.router 'adaptive' needs scheduler.tpot_target_s: it packs "
@@ -277,66 +280,147 @@ class AdaptivePlacement(_Booked):
             raise ValueError(f"cluster.adaptive_pack must be in (0, 1], got {pack!r}")
         self.target_s = target_s
         self.pack = pack
+        self.closed_loop = closed_loop
+        self.planner = (PlacementPlanner(replicas[0], len(replicas), pack * target_s)
+                        if replicas else None)
+        self.plan: Prediction | None = None
         self.active: list[Any] = []  # the decoding side, taking new generations
         self.draining: list[Any] = []  # leaving it: no new generation until empty
+        self.decisions: list[dict] = []
+        self.role_changes: list[dict] = []
+        self.demand_log: list[dict] = []  # at every plan: the demand and the assignment
+        self._next_plan = float("-inf")
+        self._pending_since: float | None = None  # since when a better plan than the current
+        self._arrivals: dict[bool, deque[float]] = {True: deque(), False: deque()}  # is_embedding
+        self._lengths = {"prompt": [0, 0], "output": [0, 0], "embedding": [0, 0]}  # sum, count
+        self._embeddings = 0
 
     # ----- the two sides --------------------------------------------------------------------
     def decoding(self) -> list[Any]:
         """Replicas holding generations, as the router counts them."""
         return [r for r in self.replicas if self.load[r.index].generations]
 
-    def _choose(self, request: Request, candidates: list[Any]) -> Any:
-        if request.is_embedding:
-            return min(candidates, key=lambda r: (self._embedding_finish(r, request), r.index))
-        self.draining = [r for r in self.draining if self.load[r.index].generations]
-        self._maybe_shrink(request)
-        limit = self.pack * self.target_s
-        idle = [r for r in candidates if r not in self.active and r not in self.draining]
-        # an embedding replica with under one iteration of embedding work queued joins even
-        # when the decoding side has room: embeddings do not need it, generations do
-        spare = [r for r in idle if self._embedding_backlog(r) < self.target_s]
-        fits = [(step, r.index, r) for r in self.active
-                if self._has_room(r, self.load[r.index], request)
-                and (step := self._admission_step(r, self.load[r.index], request)) <= limit]
-        if fits and not spare:
-            return min(fits)[2]
-        back = [r for r in self.draining if self._has_room(r, self.load[r.index], request)]
-        if spare:
-            back, idle = [], spare
-        if back or idle:
-            joining = (min(back, key=lambda r: (self.load[r.index].generations, r.index)) if back
-                       else min(idle, key=lambda r: (r.outstanding_work, r.index)))
-            if joining in self.draining:
-                self.draining.remove(joining)
-            self.active.append(joining)
-            return joining
-        roomy = [r for r in candidates if self._has_room(r, self.load[r.index], request)]
-        return min(roomy or candidates, key=lambda r: (
-            self._admission_step(r, self.load[r.index], request), r.index))
+    def demand(self, now: float, arriving: Request | None = None) -> Demand:
+        """What the router observed by ``now``: in flight (``arriving`` counted), arrivals per
+        second over the window, mean lengths."""
+        rates = {}
+        for kind, times in self._arrivals.items():
+            while times and times[0] < now - self.WINDOW_S:
+                times.popleft()
+            rates[kind] = len(times) / self.WINDOW_S
 
-    def _maybe_shrink(self, request: Request) -> None:
-        """Drain the least loaded decoding replica when embeddings queue (everywhere more than
-        ``SHRINK_BACKLOG`` target periods of work) and the others would hold every generation
-        (this one's included) at ``SHRINK_AT`` of the limit."""
-        if len(self.active) < 2:
-            return
-        if min(self._embedding_backlog(r) for r in self.replicas) < self.SHRINK_BACKLOG * self.target_s:
-            return
-        loads = [self.load[r.index] for r in self.active]
-        n = sum(x.generations for x in loads) + 1
-        kv = sum(x.decode_kv for x in loads) + request.input_len + request.expected_output_tokens // 2
-        final = sum(x.final_kv for x in loads) + request.input_len + request.expected_output_tokens
-        k = len(self.active) - 1
-        each = -(-n // k)
-        probe = _Load(generations=each - 1, decode_kv=kv * (each - 1) // n,
-                      final_kv=final * (each - 1) // n)
-        ref = self.active[0]
-        if (self._has_room(ref, probe, request) and self._admission_step(ref, probe, request)
-                <= self.SHRINK_AT * self.pack * self.target_s):
+        def mean(name: str) -> float:
+            total, n = self._lengths[name]
+            return total / n if n else 128.0
+
+        gens = sum(x.generations for x in self.load.values())
+        embs = self._embeddings
+        if arriving is not None:
+            gens, embs = (gens, embs + 1) if arriving.is_embedding else (gens + 1, embs)
+        return Demand(generations=gens, embeddings=embs, generation_rps=rates[False],
+                      embedding_rps=rates[True], prompt_len=mean("prompt"),
+                      output_len=mean("output"), embedding_len=mean("embedding"),
+                      closed_loop=self.closed_loop)
+
+    def _observe(self, request: Request) -> None:
+        now = request.arrival_time
+        self._arrivals[request.is_embedding].append(now)
+        if request.is_embedding:
+            _add(self._lengths["embedding"], request.input_len)
+        else:
+            _add(self._lengths["prompt"], request.input_len)
+            _add(self._lengths["output"], request.expected_output_tokens)
+        if now >= self._next_plan:
+            self._next_plan = now + self.REPLAN_S
+            self._replan(now, request)
+
+    def _replan(self, now: float, arriving: Request | None = None) -> None:
+        current = self.plan.assignment if self.plan is not None else None
+        demand = self.demand(now, arriving)
+        plan = self.planner.plan(demand, current)
+        if current is None or plan.assignment == current:
+            self._pending_since = None  # nothing better
+        elif (kept := self.planner.predict(current, demand)).feasible:
+            # a move by choice (the current plan still holds): only once another plan has been
+            # better for DWELL_S, so a demand wavering at a boundary moves nothing
+            if self._pending_since is None:
+                self._pending_since = now
+            if now - self._pending_since < self.DWELL_S:
+                plan = kept
+            else:
+                self._pending_since = None
+        self.plan = plan
+        self.demand_log.append({"time_s": now, "generations": demand.generations,
+                                "embeddings": demand.embeddings,
+                                "generation_rps": demand.generation_rps,
+                                "embedding_rps": demand.embedding_rps,
+                                "decoding": plan.assignment.decoding,
+                                "riders": plan.assignment.riders})
+        if plan.assignment != current:
+            self.decisions.append({"time_s": now, **plan.as_dict(len(self.replicas)),
+                                   "demand": asdict(demand)})
+        self._resize(plan.assignment.decoding, now)
+
+    def _resize(self, k: int, now: float) -> None:
+        """Grow the decoding side to ``k`` at once, or shrink it by draining."""
+        for r in [r for r in self.draining if not self.load[r.index].generations]:
+            self.draining.remove(r)
+            self._role(r, "embedding", now)
+        while len(self.active) > k:
             leaving = min(self.active, key=lambda r: (self.load[r.index].generations, -r.index))
             self.active.remove(leaving)
             if self.load[leaving.index].generations:
                 self.draining.append(leaving)
+            self._role(leaving, "draining" if leaving in self.draining else "embedding", now)
+        while len(self.active) < k:
+            back = [r for r in self.draining]
+            idle = [r for r in self.replicas if r not in self.active]
+            joining = (max(back, key=lambda r: (self.load[r.index].generations, -r.index)) if back
+                       else min(idle, key=lambda r: (r.outstanding_work, r.index)))
+            if joining in self.draining:
+                self.draining.remove(joining)
+            self.active.append(joining)
+            self._role(joining, "decoding", now)
+        for r in self.replicas:  # the embedding side runs its adapter merged, where it can
+            merge = getattr(r, "merge_adapter", None)
+            if merge is not None:
+                merge(r not in self.active and r not in self.draining)
+
+    def _role(self, replica: Any, role: str, now: float) -> None:
+        self.role_changes.append({"time_s": now, "replica": replica.index, "role": role})
+
+    def _choose(self, request: Request, candidates: list[Any]) -> Any:
+        self._observe(request)
+        if request.is_embedding:
+            riders = self.plan is not None and self.plan.assignment.riders
+            side = [r for r in candidates if riders or (r not in self.active and not
+                                                         self.load[r.index].generations)]
+            return min(side or candidates,
+                       key=lambda r: (self._embedding_finish(r, request), r.index))
+        if not self.active:  # a generation with no decoding side: one replica joins at once
+            self._resize(1, request.arrival_time)
+        side = [r for r in self.active if r in candidates] or candidates
+        roomy = [r for r in side if self._has_room(r, self.load[r.index], request)]
+        if not roomy:  # the side is full before the next plan: plan now, and grow it at once
+            now = request.arrival_time
+            self._replan(now, request)
+            side = [r for r in self.active if r in candidates] or candidates
+            roomy = [r for r in side if self._has_room(r, self.load[r.index], request)]
+            if not roomy and len(self.active) < len(self.replicas):
+                grown = Assignment(len(self.active) + 1, self.plan.assignment.riders)
+                self.plan = self.planner.predict(grown, self.demand(now, request))
+                self.decisions.append({"time_s": now, **self.plan.as_dict(len(self.replicas)),
+                                       "demand": asdict(self.demand(now, request)),
+                                       "why": "no decoding replica had room"})
+                self._resize(grown.decoding, now)
+                side = [r for r in self.active if r in candidates] or candidates
+                roomy = [r for r in side if self._has_room(r, self.load[r.index], request)]
+        return min(roomy or side, key=lambda r: (self.load[r.index].generations, r.index))
+
+    def _placed_here(self, request: Request, replica: Any, sign: int) -> None:
+        super()._placed_here(request, replica, sign)
+        if request.is_embedding:
+            self._embeddings += sign
 
     @staticmethod
     def _has_room(replica: Any, load: _Load, request: Request) -> bool:
@@ -348,24 +432,6 @@ class AdaptivePlacement(_Booked):
                 + request.expected_output_tokens <= cfg.num_blocks * cfg.block_size)
 
     # ----- predictions ----------------------------------------------------------------------
-    @staticmethod
-    def _admission_step(replica: Any, load: _Load, request: Request) -> float:
-        """The predicted iteration of ``replica`` once ``request`` joins it: its decodes and the
-        newcomer's (each at mid-output context) beside one minimum prompt chunk, so that
-        prompts still find room under the target when the replica is full (a replica packed to
-        its decodes alone leaves new prompts waiting for a decode to finish: TTFT grows)."""
-        cfg = replica.policy.config
-        mid = request.input_len + request.expected_output_tokens // 2
-        shape = _decode_shape(load.generations + 1, load.decode_kv + mid)
-        shape.add_item(ItemKind.PREFILL_CHUNK, min(request.input_len, cfg.min_chunk_tokens), 0,
-                       True, replica.cost.lora is not None)
-        return replica.cost.shape_time(shape)
-
-    def _embedding_backlog(self, replica: Any) -> float:
-        """Seconds of embedding work queued on ``replica`` at its embedding rate."""
-        load = self.load[replica.index]
-        return load.embed_tokens / self._embedding_rate(replica, load)
-
     def _embedding_finish(self, replica: Any, request: Request) -> float:
         load = self.load[replica.index]
         return (load.embed_tokens + request.input_len) / self._embedding_rate(replica, load)
@@ -375,53 +441,20 @@ class AdaptivePlacement(_Booked):
         return self._rate(replica, load.generations, load.decode_kv, self.target_s)
 
 
-def _decode_shape(decodes: int, decode_kv: int) -> BatchShape:
-    return BatchShape(tokens=decodes, num_seqs=decodes, decodes=decodes, decode_kv=decode_kv,
-                      sample_rows=decodes)
-
-
-def _chunk_rate(replica: Any, decodes: int, decode_kv: int, target_s: float | None) -> float:
-    """Chunk tokens per second a replica runs: a full budget of chunks with no decodes, or
-    beside them with no target (what the budget leaves them), else the most chunk tokens (a
-    multiple of ``min_chunk_tokens``) that fit beside the decodes within the target, per
-    target period (a small floor keeps the rate positive)."""
-    cfg = replica.policy.config
-    chunk = cfg.chunk_size or cfg.token_budget
-    step = cfg.min_chunk_tokens
-
-    adapter = replica.cost.lora is not None
-
-    def shape(tokens: int) -> BatchShape:
-        s = _decode_shape(decodes, decode_kv) if decodes else BatchShape()
-        left = tokens
-        while left > 0:
-            n = min(chunk, left)
-            s.add_item(ItemKind.EMBED_CHUNK, n, 0, False, adapter)
-            left -= n
-        return s
-
-    if not decodes or target_s is None:
-        budget = max(cfg.token_budget - decodes, 1)
-        return budget / replica.cost.shape_time(shape(budget))
-    lo, hi = 0, cfg.token_budget // step
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if replica.cost.shape_time(shape(mid * step)) <= target_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return max(lo * step, 1) / target_s
+def _add(acc: list[int], value: int) -> None:
+    acc[0] += value
+    acc[1] += 1
 
 
 def make_router(rule: str, replicas: list[Any], target_s: float | None = None,
-                pack: float = 1.0) -> Router:
+                pack: float = 1.0, closed_loop: bool = False) -> Router:
     """The router for ``cluster.router``. ``adaptive`` places work on unified replicas; a split
     placement (Dedicated, Disagg-PD) already fixes each replica's kind, so there it routes by
     kind, round-robin within a side."""
     if rule == "adaptive" and any(r.role != "unified" for r in replicas):
         return Router(replicas, "round-robin")
     if rule == "adaptive":
-        return AdaptivePlacement(replicas, target_s, pack)
+        return AdaptivePlacement(replicas, target_s, pack, closed_loop)
     if rule == "least-predicted-time":
         return LeastPredictedTime(replicas)
     return Router(replicas, rule)

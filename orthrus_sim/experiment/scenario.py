@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import random
 import re
 import typing
 from pathlib import Path
@@ -251,6 +252,36 @@ class Phase(Strict):
         return self
 
 
+class Drift(Strict):
+    """The mix as a seeded random walk (``scenarios/drift.yaml``): every ``every_s`` the
+    generation share moves ``step`` up or down, each equally likely, kept within ``[low,
+    high]``, from ``start``; it becomes timed phases over ``duration_s`` (drawn from the
+    scenario's seed, so a run and its live replay see the same walk)."""
+
+    every_s: float = Field(default=10.0, gt=0)
+    step: float = Field(default=0.1, gt=0, le=1)
+    low: float = Field(default=0.1, ge=0, le=1)
+    high: float = Field(default=0.9, ge=0, le=1)
+    start: float = Field(default=0.5, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if not self.low <= self.start <= self.high:
+            raise ValueError(f"drift: need low <= start <= high, got {self.low}, {self.start}, "
+                             f"{self.high}")
+        return self
+
+    def phases(self, duration_s: float, seed: int) -> list[Phase]:
+        rng = random.Random(f"{seed}-drift")
+        share, out, t = self.start, [], 0.0
+        while t < duration_s:
+            span = min(self.every_s, duration_s - t)
+            out.append(Phase(duration_s=span, generation_share=round(share, 6)))
+            share = min(self.high, max(self.low, share + rng.choice((-1, 1)) * self.step))
+            t += span
+        return out
+
+
 class IterRetGen(Strict):
     iterations: int = Field(default=2, ge=1)
     docs_per_query: LengthDist = Field(
@@ -279,6 +310,8 @@ class Workload(Strict):
     generation_output: LengthDist = Field(default_factory=lambda: fixed(512))
     burst: list[BurstGroup] = []
     phases: list[Phase] = []
+    drift: Drift | None = Field(default=None, description="the mix as a seeded random walk, "
+                                "in timed phases over duration_s (a mixed pool)")
     iter_retgen: IterRetGen = Field(default_factory=IterRetGen)
     trace: str | None = None
 
@@ -411,6 +444,13 @@ class Scenario(Strict):
         if self.embedding.model:
             get_model(self.embedding.model)
         w = self.workload
+        if w.drift is not None:
+            if self.duration_s is None:
+                raise ValueError("workload.drift needs duration_s: the walk spans it")
+            walk = w.drift.phases(self.duration_s, self.seed)
+            if w.phases and w.phases != walk:
+                raise ValueError("workload.drift writes the phases itself: give drift or phases")
+            w.phases = walk
         if w.phases and w.phases[0].duration_s is not None and self.duration_s is None:
             self.duration_s = sum(p.duration_s for p in w.phases)
         counted = bool(w.phases) and w.phases[0].requests is not None

@@ -16,6 +16,21 @@ from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.replica import Replica
 
 
+def closed_loop(scenario: Scenario) -> bool:
+    """Whether clients wait for their answers (a closed loop): the planner then counts a
+    faster decode as more generations served, not only as shorter TPOT."""
+    w = scenario.workload
+    return w.kind != "trace" and all(p.process == "closed-loop" for p in w.default_pools())
+
+
+def placement_log(router) -> dict | None:
+    """The adaptive router's plans and role changes over the run (None for other rules)."""
+    if not hasattr(router, "decisions"):
+        return None
+    return {"plans": router.decisions, "role_changes": router.role_changes,
+            "demand": router.demand_log}
+
+
 class Cluster:
     """Replicas plus the router. ``on_done(request)`` fires when a request finished or was
     rejected; Disagg-PD hand-offs travel to a decode replica first."""
@@ -47,7 +62,7 @@ class Cluster:
         unified = self.plans[0].config if self.plans else None
         self.router = make_router(scenario.cluster.router, self.replicas,
                                   unified.tpot_target_s if unified else None,
-                                  scenario.cluster.adaptive_pack)
+                                  scenario.cluster.adaptive_pack, closed_loop(scenario))
         model = get_model(scenario.model)
         self._kv_bytes_per_token = model.kv_bytes_per_token
         self._link_bw = self.hardware.interconnect_bw

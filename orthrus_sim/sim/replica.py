@@ -76,6 +76,8 @@ class Replica:
         self.fast_forward = fast_forward
         self.stats = ReplicaStats()
         self.adapter = getattr(cost, "lora", None) is not None
+        self.merged = False  # the embedding adapter merged into the weights (merge_adapter)
+        self._merge_s = 0.0  # a merge or unmerge to run before the next iteration
         self._wake: simpy.Event | None = None  # what an idle replica waits on: work
         self._arrived = False  # work arrived during the decode run in flight
         self._segment = False  # waiting out a decode run's segment: an arrival interrupts it
@@ -97,6 +99,17 @@ class Replica:
             policy.use_cohort()
         self.process = env.process(self.run())
 
+    def merge_adapter(self, merged: bool) -> None:
+        """Run embeddings with the adapter merged into the weights (as a dedicated embedding
+        server does: no LoRA rows), or take it out again; each change costs a pass over the
+        weights it targets, run before the next iteration. A router asks for it on a replica
+        it sends only embeddings; a generation arriving unmerges it first."""
+        if merged == self.merged or getattr(self.cost, "lora", None) is None:
+            return
+        self.merged = merged
+        self.adapter = not merged
+        self._merge_s += self.cost.adapter_merge_s()
+
     def submit(self, request: Request) -> None:
         if self._front is not None:
             self.env.process(self._through_front(request))
@@ -110,6 +123,8 @@ class Replica:
         self._admit(request)
 
     def _admit(self, request: Request) -> None:
+        if self.merged and not request.is_embedding:
+            self.merge_adapter(False)
         work = request.remaining_work(True)
         self._work[request.request_id] = work
         self.outstanding_work += work
@@ -200,11 +215,14 @@ class Replica:
                 continue
             self._stepping = True
             shape = BatchShape.from_batch(batch, adapter=self.adapter)
-            steps = decode_run_length(policy, batch) if self.fast_forward else 0
+            steps = decode_run_length(policy, batch) if self.fast_forward and not self._merge_s \
+                else 0
             if steps > 1:
                 yield from self._decode_run(shape, steps)
                 continue
             seconds = cost.shape_time(shape)
+            if self._merge_s:
+                seconds, self._merge_s = seconds + self._merge_s, 0.0
             flops, bytes_ = cost.shape_work(shape)
             self._in_flight = (env.now, env.now + seconds, shape, 1)
             yield env.timeout(seconds)

@@ -11,7 +11,7 @@ import simpy
 
 from orthrus_sim.experiment.results import CsvRows, MeasurementWindow, RequestLog, window_warnings
 from orthrus_sim.experiment.scenario import Scenario
-from orthrus_sim.sim.cluster import Cluster
+from orthrus_sim.sim.cluster import Cluster, placement_log
 from orthrus_sim.sim.driver import SimDriver
 from orthrus_sim.sim.metrics import replica_metrics
 
@@ -102,6 +102,9 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
     metrics.update(replica_metrics(cluster.replicas, counters, end - start, cluster.hardware))
     metrics.update({"kv_transfers": cluster.kv_transfers, "kv_transfer_s": cluster.kv_transfer_s,
                     "sim_end_s": end, "sim_wall_s": time.perf_counter() - wall})
+    placement = placement_log(cluster.router)
+    if placement is not None:
+        metrics["placement"] = placement
     if scenario.workload.phases:
         metrics["phases"] = log.phase_metrics(scenario.workload.phases)
     metrics["warnings"] = driver.workload.warnings + window_warnings(metrics)

@@ -1,0 +1,278 @@
+"""The placement planner: which replicas decode, which embed, and whether embeddings ride beside
+the decodes, chosen by predicting every assignment with the replicas' cost model.
+
+Every unified replica can serve both kinds, so co-serving can always *be* a static split
+(``k`` replicas decoding, ``N - k`` embedding) and then let embeddings ride in what the TPOT
+target leaves beside the decodes. The planner enumerates those assignments, predicts each
+one's throughput per kind and its TPOT from the demand it is given, and takes the one with the
+highest normalised throughput whose TPOT holds the target. The static splits are among the
+candidates, predicted by the same function, so the plan's predicted throughput is never below a
+split's (``tests/test_placement.py``). The router (``routing.AdaptivePlacement``) observes the
+demand, re-plans, and places work by the plan.
+
+The prediction is a steady state, per replica of a side (replicas of one arrangement are alike):
+
+* decoding side, ``k`` replicas: ``d`` decodes each (the generations in flight over ``k``,
+  at most ``max_num_seqs``), each at mid-output context, beside the prompt tokens that arrive
+  per iteration (``generation rate / k x prompt length x iteration``); with riders, embedding
+  chunks fill the iteration up to the target in the proportion the embedding side leaves over;
+* embedding side, ``N - k`` replicas: a full token budget of embedding chunks per iteration;
+* generation throughput: closed loop, ``generations in flight / (output tokens x TPOT)`` (a
+  client waits for its answer); open loop, the arrival rate the side can hold;
+* embedding throughput: the demand (the arrival rate, or what the embeddings in flight would
+  fill in one full iteration, whichever is more) up to the capacity of both sides;
+* normalised throughput: each kind's throughput over one dedicated replica's, the generation
+  reference being the split that gives generations all replicas but one (Dedicated-1:3 on four,
+  the brief's reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from orthrus_sim.costmodel.shape import BatchShape
+from orthrus_sim.engine.batch import ItemKind
+
+FIXED_POINT_ROUNDS = 6  # iteration time <-> prompt tokens per iteration and rider share
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What the router observed over its window: work in flight and arrival rates per kind,
+    and the mean lengths of what arrived."""
+
+    generations: float = 0.0  # in flight (placed, not left)
+    embeddings: float = 0.0
+    generation_rps: float = 0.0
+    embedding_rps: float = 0.0
+    prompt_len: float = 128.0
+    output_len: float = 128.0
+    embedding_len: float = 128.0
+    closed_loop: bool = True  # generation throughput follows TPOT (clients wait for answers)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """``decoding`` replicas take generations; the others embed with their whole budget.
+    ``riders``: embeddings also ride beside the decodes, within the TPOT target."""
+
+    decoding: int
+    riders: bool
+
+    def label(self, replicas: int) -> str:
+        split = f"{replicas - self.decoding}:{self.decoding}"
+        return f"{split} + riders" if self.riders else split
+
+
+@dataclass(frozen=True)
+class Prediction:
+    assignment: Assignment
+    embedding_rps: float
+    generation_rps: float
+    tpot_s: float  # the decoding side's iteration time (0 without generations)
+    objective: float  # normalised throughput
+    feasible: bool  # TPOT within the target (or no generation to decode)
+    decode_s: float = 0.0  # the decoding side's iteration before embeddings ride in it
+
+    def as_dict(self, replicas: int) -> dict:
+        out = asdict(self)
+        out["assignment"] = self.assignment.label(replicas)
+        return out
+
+
+def decode_shape(decodes: int, decode_kv: int) -> BatchShape:
+    """``decodes`` one-token decodes reading ``decode_kv`` KV rows."""
+    return BatchShape(tokens=decodes, num_seqs=decodes, decodes=decodes, decode_kv=decode_kv,
+                      sample_rows=decodes)
+
+
+def chunk_shape(replica: Any, decodes: int, decode_kv: int, tokens: int,
+                kind: ItemKind = ItemKind.EMBED_CHUNK, piece: int | None = None) -> BatchShape:
+    """An iteration of ``decodes`` decodes and ``tokens`` chunk tokens, cut into chunks of
+    the replica's ``chunk_size`` (or of ``piece`` tokens, one request's, when smaller)."""
+    cfg = replica.policy.config
+    chunk = cfg.chunk_size or cfg.token_budget
+    if piece:
+        chunk = min(chunk, piece)
+    adapter = replica.cost.lora is not None
+    s = decode_shape(decodes, decode_kv) if decodes else BatchShape()
+    left = tokens
+    while left > 0:
+        n = min(chunk, left)
+        s.add_item(kind, n, 0, False, adapter)
+        left -= n
+    return s
+
+
+def chunk_rate(replica: Any, decodes: int, decode_kv: int, target_s: float | None,
+               piece: int | None = None) -> float:
+    """Chunk tokens per second a replica runs: a full budget of chunks with no decodes, or
+    beside them with no target (what the budget leaves them), else the most chunk tokens (a
+    multiple of ``min_chunk_tokens``) that fit beside the decodes within the target, per
+    target period (a small floor keeps the rate positive)."""
+    cfg = replica.policy.config
+    step = cfg.min_chunk_tokens
+    if not decodes or target_s is None:
+        budget = max(cfg.token_budget - decodes, 1)
+        return budget / replica.cost.shape_time(
+            chunk_shape(replica, decodes, decode_kv, budget, piece=piece))
+    lo, hi = 0, cfg.token_budget // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        shape = chunk_shape(replica, decodes, decode_kv, mid * step, piece=piece)
+        if replica.cost.shape_time(shape) <= target_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return max(lo * step, 1) / target_s
+
+
+class PlacementPlanner:
+    """Predicts assignments of ``replicas`` alike replicas (``replica``: one of them, for its
+    cost model and scheduler config) and picks the best within ``target_s``."""
+
+    HYSTERESIS = 0.03  # a new plan must predict this much more than the current one
+
+    def __init__(self, replica: Any, replicas: int, target_s: float) -> None:
+        self.replica = replica
+        self.replicas = replicas
+        self.target_s = target_s
+        cfg = replica.policy.config
+        self.max_seqs = cfg.max_num_seqs
+        self.min_chunk = cfg.min_chunk_tokens
+        self.budget = cfg.token_budget
+        self._piece: int | None = None  # the embedding length of the demand being predicted
+        self.kv_tokens = cfg.num_blocks * cfg.block_size
+        self._full: dict[int, float] = {}  # embedding length -> tokens/s with the whole budget
+        self._times: dict[tuple[int, int, int], float] = {}
+        self._riders: dict[tuple[int, int, int | None], float] = {}
+
+    def candidates(self) -> list[Assignment]:
+        return [Assignment(k, riders) for k in range(self.replicas + 1)
+                for riders in (False, True) if not (riders and k == 0)]
+
+    # ----- one assignment -------------------------------------------------------------------
+    def predict(self, a: Assignment, d: Demand) -> Prediction:
+        self._piece = max(1, round(d.embedding_len))
+        emb, gen, tpot, holds, alone = self._throughputs(a, d)
+        gen_ref = self._generation_reference(d)
+        emb_len = max(d.embedding_len, 1.0)
+        emb_ref = self._full_rate(emb_len) / emb_len
+        objective = emb / emb_ref + (gen / gen_ref if gen_ref > 0 else 0.0)
+        return Prediction(a, emb, gen, tpot, objective, holds, alone)
+
+    def _throughputs(self, a: Assignment, d: Demand) -> tuple[float, float, float, bool, float]:
+        """(embeddings/s, generations/s, TPOT s, the decoding side holds the target, its
+        iteration before riders) of assignment ``a`` under demand ``d``."""
+        k = a.decoding
+        wants_gen = d.generations > 0 or d.generation_rps > 0
+        emb_len = max(d.embedding_len, 1.0)
+        full = self._full_rate(emb_len)
+        emb_demand = max(d.embedding_rps, d.embeddings * full / self.budget)
+        side = (self.replicas - k) * full / emb_len
+        if k == 0 or not wants_gen:
+            if a.riders:  # riders with no decodes: the decoding side embeds too
+                side += k * full / emb_len
+            return min(emb_demand, side), 0.0, 0.0, not wants_gen, 0.0
+        out = max(d.output_len, 1.0)
+        mid = int(d.prompt_len + out / 2)
+        limit = self.target_s
+        t, gen, riding, holds, alone = self._time(1, mid, 0), 0.0, 0.0, True, 0.0
+        for _ in range(FIXED_POINT_ROUNDS):
+            want = d.generations / k if d.closed_loop else d.generation_rps / k * out * t
+            slots = min(self.max_seqs, max(1, self.kv_tokens // int(d.prompt_len + out)))
+            running = min(want, slots)
+            gen = k * running / (out * t)
+            if not d.closed_loop:
+                gen = min(d.generation_rps, gen)
+            prompt_rate = gen / k * d.prompt_len  # prompt tokens/s per decoding replica
+            decodes = max(1, round(running))  # in the iteration priced
+            kv = decodes * mid
+            # the mean iteration: the decodes and the prompt tokens arriving per iteration
+            t = self._time(decodes, kv, int(prompt_rate * t))
+            alone = min(t, limit)
+            riding = 0.0
+            if not a.riders:  # as a split's generation servers: the mean iteration within it
+                holds = t <= limit * (1 + 1e-6)
+                t = min(t, limit)  # the target cuts the prompts that would exceed it
+                continue
+            # with riders the target applies: it cuts chunks to fit, which holds while the
+            # decodes alone fit and the prompts' rate fits the room beside them
+            room = self._room(decodes, kv)
+            holds = self._time(decodes, kv, 0) <= limit and room >= prompt_rate
+            t = min(t, limit)
+            if t < limit:
+                cap = k * max(0.0, room - prompt_rate) / emb_len
+                over = max(0.0, emb_demand - side)
+                if cap > 0 and over > 0:
+                    share = min(1.0, over / cap)
+                    riding = share * cap
+                    t += share * (limit - t)
+        # generations beyond the side's decode slots or KV cache would queue: it does not hold
+        return (min(emb_demand, side + riding), gen, t, holds and want <= slots * (1 + 1e-6),
+                alone)
+
+    def _generation_reference(self, d: Demand) -> float:
+        """Generations/s per replica of the split giving generations all replicas but one."""
+        if not (d.generations > 0 or d.generation_rps > 0):
+            return 0.0
+        k = max(self.replicas - 1, 1)
+        gen = self._throughputs(Assignment(k, False), d)[1]
+        return gen / k
+
+    def _full_rate(self, embedding_len: float) -> float:
+        """Embedding tokens/s of a replica embedding with its whole budget."""
+        piece = max(1, round(embedding_len))
+        rate = self._full.get(piece)
+        if rate is None:
+            rate = self._full[piece] = chunk_rate(self.replica, 0, 0, None, piece)
+        return rate
+
+    def _time(self, decodes: int, decode_kv: int, prompt_tokens: int) -> float:
+        key = (decodes, decode_kv >> 8, prompt_tokens)
+        t = self._times.get(key)
+        if t is None:
+            shape = chunk_shape(self.replica, decodes, decode_kv, prompt_tokens,
+                                ItemKind.PREFILL_CHUNK)
+            t = self._times[key] = self.replica.cost.shape_time(shape)
+        return t
+
+    def _room(self, decodes: int, decode_kv: int) -> float:
+        """Chunk tokens/s that fit beside ``decodes`` decodes within the target."""
+        key = (decodes, decode_kv >> 8, self._piece)
+        r = self._riders.get(key)
+        if r is None:
+            r = self._riders[key] = chunk_rate(self.replica, decodes, decode_kv, self.target_s,
+                                               self._piece)
+        return r
+
+    # ----- the choice -----------------------------------------------------------------------
+    def plan(self, d: Demand, current: Assignment | None = None) -> Prediction:
+        """The best assignment for ``d``: the highest objective among those holding the target
+        (when none does, the one serving the most generations), near-ties going to the lower
+        TPOT, then to fewer decoding replicas. The current assignment stays unless the best predicts an
+        objective more than ``HYSTERESIS`` above it (or as high, with a TPOT that much lower),
+        or it no longer holds the target; an assignment it moves to must hold the target with
+        ``HYSTERESIS`` to spare."""
+        preds = [self.predict(a, d) for a in self.candidates()]
+        # a move needs margin under the target as well as a better objective: a demand at the
+        # boundary where an assignment stops holding the target does not flip it in and out
+        margin = self.target_s * (1 - self.HYSTERESIS)
+        feasible = [p for p in preds if p.feasible and (
+            current is None or p.assignment == current or p.decode_s <= margin)]
+        if feasible:
+            top = max(p.objective for p in feasible)
+            near = [p for p in feasible if p.objective >= top * (1 - 1e-6)]
+            best = min(near, key=lambda p: (p.tpot_s, p.assignment.decoding, p.assignment.riders))
+        else:  # none holds: the one that serves the most generations (most decode slots)
+            best = max((p for p in preds if p.assignment.decoding),
+                       key=lambda p: (p.generation_rps, -p.tpot_s, p.objective))
+        if current is not None and current != best.assignment:
+            now = self.predict(current, d)
+            better = best.objective > now.objective * (1 + self.HYSTERESIS) or (
+                best.objective >= now.objective * (1 - 1e-6)
+                and best.tpot_s < now.tpot_s * (1 - self.HYSTERESIS))
+            if now.feasible and not better:
+                return now
+        return best
