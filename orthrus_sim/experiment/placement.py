@@ -179,9 +179,9 @@ class PlacementPlanner:
         mid = int(d.prompt_len + out / 2)
         limit = self.target_s
         t, gen, riding, holds, alone = self._time(1, mid, 0), 0.0, 0.0, True, 0.0
+        slots = min(self.max_seqs, max(1, self.kv_tokens // int(d.prompt_len + out)))
         for _ in range(FIXED_POINT_ROUNDS):
             want = d.generations / k if d.closed_loop else d.generation_rps / k * out * t
-            slots = min(self.max_seqs, max(1, self.kv_tokens // int(d.prompt_len + out)))
             running = min(want, slots)
             gen = k * running / (out * t)
             if not d.closed_loop:

@@ -408,9 +408,10 @@ class AdaptivePlacement(_Booked):
             roomy = [r for r in side if self._has_room(r, self.load[r.index], request)]
             if not roomy and len(self.active) < len(self.replicas):
                 grown = Assignment(len(self.active) + 1, self.plan.assignment.riders)
-                self.plan = self.planner.predict(grown, self.demand(now, request))
+                demand = self.demand(now, request)
+                self.plan = self.planner.predict(grown, demand)
                 self.decisions.append({"time_s": now, **self.plan.as_dict(len(self.replicas)),
-                                       "demand": asdict(self.demand(now, request)),
+                                       "demand": asdict(demand),
                                        "why": "no decoding replica had room"})
                 self._resize(grown.decoding, now)
                 side = [r for r in self.active if r in candidates] or candidates
