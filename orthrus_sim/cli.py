@@ -194,6 +194,11 @@ def fit(
     fix: list[str] = typer.Option([], "--fix", help="hold a parameter at a value: NAME=VALUE"),
     metrics: list[str] = typer.Option([], "--metrics", help="fit only these metrics (shell "
                                       "patterns such as 'latency_s.*.p50'; repeat); default all"),
+    at: list[str] = typer.Option([], "--at", help="the scenario overrides one --measured file "
+                                 "was measured under, 'section.key=value' joined by ';' (one per "
+                                 "--measured, in order; '-' for none): one joint fit across loads"),
+    spread: float = typer.Option(0.10, "--spread", help="the measurements' relative run-to-run "
+                                 "spread; sets the standard-error floor and the ranges' width"),
     workers: int = typer.Option(0, help="parallel simulations (0: one per CPU)"),
     fmt: str = typer.Option("table", "--format", help="table | json"),
 ) -> None:
@@ -220,10 +225,15 @@ def fit(
             if not sep:
                 fail(f"--fix {item!r}: expected NAME=VALUE")
         sc = load_scenario(scenario, set_)
-        runs = load_measured(measured, metrics)
+        if not 0 < spread < 1:
+            fail(f"--spread must be in (0, 1), got {spread}")
+        overrides = [[] if a.strip() == "-" else [o.strip() for o in a.split(";") if o.strip()]
+                     for a in at]
+        runs = load_measured(measured, metrics, overrides or None)
         with console.status("fitting ...") as status:
             result = run_fit(sc, runs, workers or os.cpu_count() or 1, fixed,
-                             progress=lambda msg: status.update(f"fitting: {msg}"))
+                             progress=lambda msg: status.update(f"fitting: {msg}"),
+                             spread=spread)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:
@@ -234,6 +244,64 @@ def fit(
     else:
         _print_fit(result)
     console.print(f"wrote {out}", highlight=False)
+
+
+@app.command()
+def predict(
+    scenario: str = typer.Argument(..., help=SCENARIO_HELP),
+    calibration: Path = typer.Option(..., "--calibration", help="a fitted calibration (orthrus-"
+                                     "sim fit --out): its parameter ranges give the ranges"),
+    configurations: str = typer.Option(..., "--configurations", help="comma-separated, e.g. "
+                                       "orthrus,dedicated-1:1"),
+    set_: list[str] = typer.Option([], "--set", help="override a scenario field: section.key=value"),
+    workers: int = typer.Option(0, help="parallel simulations (0: one per CPU)"),
+    fmt: str = typer.Option("table", "--format", help="table | json"),
+) -> None:
+    """Predict configurations with ranges: each simulated at the fit's point and at every end of
+    its parameter ranges; says which parameter drives each range and what to measure next."""
+    import json
+    import os
+
+    from orthrus_sim.costmodel import load_calibration
+    from orthrus_sim.experiment.scenario import load_scenario
+    from orthrus_sim.ranges import predict as run_predict
+    from orthrus_sim.ranges import suggest
+
+    if fmt not in ("table", "json"):
+        fail(f"--format must be table or json, got {fmt!r}")
+    try:
+        sc = load_scenario(scenario, set_)
+        cal = load_calibration(calibration)
+        configs = [c.strip() for c in configurations.split(",") if c.strip()]
+        if not configs:
+            fail("--configurations: give at least one configuration")
+        with console.status("predicting ..."):
+            ranges = run_predict(sc, cal, configs, workers or os.cpu_count() or 1)
+    except ValueError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        interrupted()
+    widest = max(ranges, key=lambda r: r.width, default=None)
+    nexts = suggest(widest, cal) if widest else []
+    if fmt == "json":
+        console.print(json.dumps({"ranges": [r.as_dict() for r in ranges],
+                                  "measure_next": [s.as_dict() for s in nexts]}),
+                      markup=False, highlight=False, soft_wrap=True)
+        return
+    table = Table(title=f"{sc.name}: predictions with ranges ({escape(str(calibration))})")
+    for col in ("configuration", "metric", "point", "low", "high", "low end", "high end"):
+        table.add_column(col, overflow="fold")
+    for r in ranges:
+        table.add_row(r.configuration, r.metric, f"{r.point:.4g}", f"{r.low:.4g}",
+                      f"{r.high:.4g}", r.low_end or "-", r.high_end or "-")
+    if not (cal.factor_fit and cal.factor_fit.range_ends):
+        table.caption = "this calibration has no fitted ranges: points only"
+    console.print(table)
+    for s in nexts:
+        where = f" at {'; '.join(s.at)}" if s.at else ""
+        console.print(f"measure next: {s.configuration}{where} {s.metric} (would remove "
+                      f"~{s.removes:.0%} of the {widest.configuration} {widest.metric} range)",
+                      highlight=False, markup=False)
 
 
 def _print_fit(result) -> None:
@@ -256,8 +324,13 @@ def _print_fit(result) -> None:
     for r in result.residuals:
         sim = "-" if r["simulated"] is None else f"{r['simulated']:.4g}"
         res = "-" if r["residual"] is None else f"{r['residual']:+.1%}"
-        resid.add_row(r["configuration"], r["metric"], f"{r['measured']:.4g}", sim, res)
+        where = r["configuration"] + (f" at {'; '.join(r['at'])}" if r.get("at") else "")
+        resid.add_row(where, r["metric"], f"{r['measured']:.4g}", sim, res)
     console.print(resid)
+    if result.misses:
+        console.print(f"misfit: the model cannot reproduce {len(result.misses)} measured "
+                      f"metric(s) within the stated spread; tried: {', '.join(result.tried)}",
+                      style="red", highlight=False, markup=False)
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
 

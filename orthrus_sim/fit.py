@@ -40,8 +40,13 @@ from orthrus_sim.costmodel.coefficients import Coefficients
 from orthrus_sim.costmodel.factors import CostFactors
 from orthrus_sim.experiment.measured import ITERATION_RATE, MeasuredRun, iteration_rate
 from orthrus_sim.experiment.results import _get
-from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump
-from orthrus_sim.sweep import Point, run_local
+from orthrus_sim.experiment.scenario import (
+    Scenario,
+    apply_overrides,
+    parse_scenario,
+    scenario_dump,
+)
+from orthrus_sim.runner import Task, process_pool, run_task
 
 
 @dataclass(frozen=True)
@@ -84,9 +89,10 @@ PARAMETERS = (
               "seconds per generation request in the server, outside the forward pass"),
 )
 BY_NAME = {p.name: p for p in PARAMETERS}
-STEP = 0.05  # finite-difference step, in z (5 % of a scale, 0.5 ms of an overhead)
+STEP = 0.15  # finite-difference step, in z (15 % of a scale, 1.5 ms of an overhead)
 DETERMINED = 0.05  # a unit change moving the metrics (norm of log ratios) less: undetermined
 NOISE = 0.01  # floor of the metrics' scatter (log ratio) in the standard errors
+SPREAD = 0.10  # the measurements' stated spread (relative), unless told
 MISSING = math.log(1e-2)  # residual when the simulation produces no value for a measured metric
 
 
@@ -97,55 +103,104 @@ class FitResult:
     parameters: dict[str, dict]
     evaluations: int
     notes: list[str] = field(default_factory=list)
+    misses: list[dict] = field(default_factory=list)  # metrics further than the spread
+    tried: list[str] = field(default_factory=list)  # what the fit tried before giving up
 
 
-class Evaluator:
-    """Simulates the measured configurations at given factors (cached; batches in parallel)."""
+Case = tuple[tuple[str, ...], str]  # (scenario overrides, configuration): one simulation
 
-    def __init__(self, scenario: Scenario, prior: CalibrationFile | None, runs: list[MeasuredRun],
+
+def _case_metrics(task: Task) -> dict:
+    """One simulation's metrics (a worker's task: only the metrics travel back)."""
+    return run_task(task).metrics
+
+
+class Simulations:
+    """The cases (a configuration under scenario overrides) simulated at given cost factors:
+    cached by factors, every case of every new factor set one task, in one process pool kept
+    for the caller's block (``with``), so a fit pays the workers' start once."""
+
+    def __init__(self, scenario: Scenario, prior: CalibrationFile | None, cases: list[Case],
                  workers: int, tmp: Path) -> None:
-        configs = list(dict.fromkeys(r.configuration for r in runs))
-        self.raw = scenario_dump(scenario) | {"configurations": configs}
-        parse_scenario(self.raw, "fit scenario")  # every measured configuration must fit it
+        base = scenario_dump(scenario)
+        self.raws: dict[tuple[str, ...], dict] = {}
+        for overrides in dict.fromkeys(ov for ov, _ in cases):
+            configs = list(dict.fromkeys(cfg for ov, cfg in cases if ov == overrides))
+            where = "fit scenario" + (f" at {', '.join(overrides)}" if overrides else "")
+            raw = apply_overrides(base, list(overrides), "scenario_overrides")
+            # every measured configuration must fit the scenario under its overrides
+            self.raws[overrides] = scenario_dump(parse_scenario(raw | {"configurations": configs},
+                                                                where))
+        self.cases = list(dict.fromkeys(cases))
         self.prior = prior
-        self.runs = runs
-        self.targets = [(r.configuration, m, v) for r in runs for m, v in r.metrics.items()]
-        self.kinds = [r.kind for r in runs for _ in r.metrics]
+        self.scenario = scenario
         self.workers = workers
         self.tmp = tmp
-        self.cache: dict[tuple, dict[str, dict]] = {}
-        self.scenario = scenario
+        self.cache: dict[tuple, dict[Case, dict]] = {}
+        self._pool = None
+
+    def __enter__(self) -> Simulations:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
 
     def calibration(self, factors: CostFactors) -> CalibrationFile:
         """The prior (its coefficients, hardware, environment) with ``factors``."""
         base = self.prior or default_calibration(self.scenario)
         return base.model_copy(update={"factors": CostFactorsModel(**factors.as_dict())})
 
-    def simulate(self, batch: list[CostFactors]) -> list[dict[str, dict]]:
-        """``{configuration: metrics}`` at each of the factors."""
-        todo = []
+    def simulate(self, batch: list[CostFactors]) -> list[dict[Case, dict]]:
+        """``{case: metrics}`` at each of the factors."""
+        tasks: list[tuple[tuple, Case, Task]] = []
         for f in batch:
             key = tuple(f.as_dict().values())
-            if key in self.cache or any(k == key for k, _ in todo):
+            if key in self.cache or any(k == key for k, _, _ in tasks):
                 continue
             digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
             path = self.tmp / f"cal-{digest}.json"
             save_calibration(self.calibration(f), path)
-            todo.append((key, Point(digest, {}, self.raw | {"calibration": str(path)})))
-        if todo:
-            by_name = {p.name: key for key, p in todo}
-            for outcome in run_local([p for _, p in todo], max(1, min(self.workers, len(todo)))):
-                if outcome.error:
-                    raise RuntimeError(f"fit: a simulation failed: {outcome.error}")
-                self.cache[by_name[outcome.point.name]] = {
-                    r["configuration"]: r["metrics"] for r in outcome.doc["runs"]}
+            for ov, cfg in self.cases:
+                raw = self.raws[ov] | {"calibration": str(path), "configurations": [cfg]}
+                tasks.append((key, (ov, cfg), Task(raw, cfg, f"{digest} {cfg}")))
+        if tasks:
+            done: dict[tuple, dict[Case, dict]] = {}
+            for (key, case, _), metrics in zip(tasks, self._run([t for _, _, t in tasks])):
+                done.setdefault(key, {})[case] = metrics
+            self.cache.update(done)
         return [self.cache[tuple(f.as_dict().values())] for f in batch]
 
-    def simulated(self, sims: dict[str, dict]) -> list[float | None]:
-        return [_value(sims[cfg], metric, kind)
-                for (cfg, metric, _), kind in zip(self.targets, self.kinds)]
+    def _run(self, tasks: list[Task]) -> list[dict]:
+        try:
+            if self.workers <= 1 or len(tasks) == 1:
+                return [_case_metrics(t) for t in tasks]
+            if self._pool is None:
+                self._pool = process_pool(self.workers)
+            return [f.result() for f in [self._pool.submit(_case_metrics, t) for t in tasks]]
+        except Exception as exc:
+            raise RuntimeError(f"fit: a simulation failed: {type(exc).__name__}: {exc}") from exc
 
-    def residuals(self, sims: dict[str, dict]) -> np.ndarray:
+
+class Evaluator(Simulations):
+    """The measured runs simulated at given factors, each under its own scenario overrides, and
+    their residuals (log ratios simulated / measured)."""
+
+    def __init__(self, scenario: Scenario, prior: CalibrationFile | None, runs: list[MeasuredRun],
+                 workers: int, tmp: Path) -> None:
+        super().__init__(scenario, prior, [(r.overrides, r.configuration) for r in runs],
+                         workers, tmp)
+        self.runs = runs
+        self.targets = [((r.overrides, r.configuration), m, v)
+                        for r in runs for m, v in r.metrics.items()]
+        self.kinds = [r.kind for r in runs for _ in r.metrics]
+
+    def simulated(self, sims: dict[Case, dict]) -> list[float | None]:
+        return [_value(sims[case], metric, kind)
+                for (case, metric, _), kind in zip(self.targets, self.kinds)]
+
+    def residuals(self, sims: dict[Case, dict]) -> np.ndarray:
         out = []
         for (_, _, measured), s in zip(self.targets, self.simulated(sims)):
             out.append(math.log(s / measured) if s else MISSING)
@@ -217,19 +272,21 @@ def determined(jac: np.ndarray, names: list[str], limit: int) -> tuple[list[str]
     return [n for n in names if n in kept], effect
 
 
-def standard_errors(jac: np.ndarray, residuals: np.ndarray | None = None) -> np.ndarray:
+def standard_errors(jac: np.ndarray, residuals: np.ndarray | None = None,
+                    floor: float = NOISE) -> np.ndarray:
     """Each parameter's standard error (in z) from the Jacobian: the residuals' scatter (at
-    least ``NOISE``; only ``NOISE`` without residuals) over the part of its column the others
-    do not explain, i.e. sqrt of diag((J^T J)^-1) times the scatter; inf where that part is 0.
+    least ``floor``, the measurements' spread; only ``floor`` without residuals) over the part
+    of its column the others do not explain, i.e. sqrt of diag((J^T J)^-1) times the scatter;
+    inf where that part is 0.
 
     Without residuals it says whether the measurements *can* pin a parameter (a 1 % error in
     every metric moves it by this much), whatever the fit's misfit."""
     m, k = jac.shape
     if k == 0:
         return np.zeros(0)
-    sigma = NOISE
+    sigma = floor
     if residuals is not None:
-        sigma = math.sqrt(max(float(residuals @ residuals) / max(m - k, 1), NOISE ** 2))
+        sigma = math.sqrt(max(float(residuals @ residuals) / max(m - k, 1), floor ** 2))
     out = np.empty(k)
     for i in range(k):
         col, others = jac[:, i], np.delete(jac, i, axis=1)
@@ -243,13 +300,19 @@ def standard_errors(jac: np.ndarray, residuals: np.ndarray | None = None) -> np.
 
 def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
         fixed: dict[str, float] | None = None, progress: Callable[[str], None] | None = None,
-        max_rounds: int = 4) -> FitResult:
-    """Fit the factors of ``PARAMETERS`` (less ``fixed``: name -> value) to ``runs``.
+        max_rounds: int = 4, spread: float = SPREAD, ranges: bool = True) -> FitResult:
+    """Fit the factors of ``PARAMETERS`` (less ``fixed``: name -> value) to ``runs``, each run
+    simulated under its own scenario overrides (one joint fit across loads).
 
     The parameters with an effect at the prior (``determined``) are fitted, keeping only those
     the measurements pin (``_pinned_fit``); then each parameter left out is probed at a few
     values (``_probe``), and one that fits much better there joins the fit, from that value.
+    A fit further than ``spread`` from a metric it was given tries harder (``_rescue``) and
+    says so. ``ranges``: each parameter's ends as far as the measurements allow
+    (``orthrus_sim.ranges.profile``), for prediction ranges.
     """
+    if not 0 < spread < 1:
+        raise ValueError(f"--spread must be in (0, 1) (a relative spread such as 0.1), got {spread}")
     fixed = dict(fixed or {})
     for name in fixed:
         if name not in BY_NAME:
@@ -265,8 +328,8 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
         prior = replace(prior, **{p.name: min(max(v, p.low), p.high)})
     free = [p.name for p in PARAMETERS if p.name not in fixed]
     say = progress or (lambda _msg: None)
-    with tempfile.TemporaryDirectory(prefix="orthrus-fit-") as tmp:
-        ev = Evaluator(scenario, prior_cal, runs, workers, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="orthrus-fit-") as tmp, \
+            Evaluator(scenario, prior_cal, runs, workers, Path(tmp)) as ev:
         say(f"sensitivities at the prior ({len(free) + 1} simulations)")
         z_prior = np.array([BY_NAME[n].to_z(getattr(prior, n)) for n in free])
         fitted, _ = determined(_jacobian(ev, prior, free, z_prior), free, len(ev.targets))
@@ -285,13 +348,14 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
             name, value = found
             current = replace(current, **{name: value})
             fitted = [n for n in free if n in fitted or n == name]
+        tried: list[str] = []
+        if _misses(ev, current, spread):
+            current, fitted, errors, tried = _rescue(ev, prior, current, fitted, free, spread, say)
+        errors = _errors(ev, current, fitted, spread)  # at the measurements' stated spread
         say("sensitivity of each parameter across its bounds")
         sensitivity = _sensitivity(ev, current)
         sims = ev.simulate([current])[0]
-        resid_rows = []
-        for (cfg, metric, measured), s in zip(ev.targets, ev.simulated(sims)):
-            resid_rows.append({"configuration": cfg, "metric": metric, "measured": measured,
-                               "simulated": s, "residual": (s / measured - 1) if s else None})
+        resid_rows = _residual_rows(ev, sims)
         params = {}
         for p in PARAMETERS:
             status = "fixed" if p.name in fixed else ("fitted" if p.name in fitted else "undetermined")
@@ -304,12 +368,119 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
                                                     else se * p.unit)
         logs = ev.residuals(sims)
         rms = float(np.sqrt(np.mean(logs ** 2))) if len(logs) else 0.0
-        cal = _output(ev, current, runs, params, resid_rows, rms, scenario)
+        misses = _misses(ev, current, spread)
+        ends, candidates = [], []
+        if ranges:
+            from orthrus_sim.ranges import profile
+
+            say("each parameter moved as far as the measurements allow")
+            ends, candidates = profile(ev, current, fitted, free, spread, say)
+        cal = _output(ev, current, runs, params, resid_rows, rms, scenario,
+                      {"spread": spread, "misses": misses, "tried": tried, "range_ends": ends,
+                       "candidates": candidates})
         notes = []
         if len(ev.targets) < len(fitted) + 1:
             notes.append(f"{len(ev.targets)} measured metrics for {len(fitted)} fitted parameters: "
                          "the fit reproduces them exactly and says nothing about its error")
-        return FitResult(cal, resid_rows, params, len(ev.cache), notes)
+        if misses:
+            notes.append(f"the fit misses {len(misses)} of the {len(ev.targets)} metrics it was "
+                         f"given by more than their spread ({spread:.0%}): "
+                         + "; ".join(f"{_case_text(m)} {m['metric']} {m['residual']:+.1%}"
+                                     if m["residual"] is not None else
+                                     f"{_case_text(m)} {m['metric']} (not simulated)"
+                                     for m in misses)
+                         + ". Tried: " + "; ".join(tried or ["nothing else"])
+                         + ". The cost model cannot reproduce these measurements as they stand "
+                         "(another arrangement than the prior's, a cost no factor carries, or "
+                         "runs measured under other settings than the scenario's)")
+        return FitResult(cal, resid_rows, params, len(ev.cache), notes, misses, tried)
+
+
+def _case_text(row: dict) -> str:
+    return row["configuration"] + (f" at {', '.join(row['at'])}" if row.get("at") else "")
+
+
+def _residual_rows(ev: Evaluator, sims: dict) -> list[dict]:
+    rows = []
+    for ((ov, cfg), metric, measured), s in zip(ev.targets, ev.simulated(sims)):
+        rows.append({"configuration": cfg, "at": list(ov), "metric": metric, "measured": measured,
+                     "simulated": s, "residual": (s / measured - 1) if s else None})
+    return rows
+
+
+def _misses(ev: Evaluator, at: CostFactors, spread: float) -> list[dict]:
+    """The measured metrics the simulation at ``at`` is further from than ``spread``."""
+    return [r for r in _residual_rows(ev, ev.simulate([at])[0])
+            if r["residual"] is None or abs(math.log1p(r["residual"])) > math.log1p(spread)]
+
+
+def _rms(ev: Evaluator, at: CostFactors) -> float:
+    r = ev.residuals(ev.simulate([at])[0])
+    return float(np.sqrt(np.mean(r ** 2))) if len(r) else 0.0
+
+
+def _corner(p: Parameter, at: float, side: str) -> float:
+    """A start far from ``at`` on one side, inside the bounds."""
+    if p.log:
+        value = at / 4 if side == "low" else at * 4
+    elif p.name.endswith("_overhead_s"):
+        value = 0.0 if side == "low" else max(0.05, 4 * at)
+    else:
+        value = p.low + 0.1 * (p.high - p.low) if side == "low" else p.high - 0.1 * (p.high - p.low)
+    return min(max(value, p.low), p.high)
+
+
+def _rescue(ev: Evaluator, prior: CostFactors, current: CostFactors, fitted: list[str],
+            free: list[str], spread: float, say: Callable[[str], None]):
+    """A fit that misses its inputs, tried harder: each parameter left out freed alone (from a
+    few values), then the fitted ones restarted from far below and far above. The best fit
+    found is kept if it fits better. Returns it, what it fits, standard errors and what was
+    tried (each with its RMS log residual)."""
+    best, best_fitted, best_rms = current, list(fitted), _rms(ev, current)
+    tried = []
+    for name in [n for n in free if n not in fitted]:
+        say(f"missed inputs: freeing {name}")
+        p = BY_NAME[name]
+        outcome = math.inf
+        for start in dict.fromkeys([getattr(current, name), *_probe_values(p, getattr(current, name))]):
+            names = [*fitted, name]
+            res = _least_squares(ev, replace(current, **{name: start}), names, max_nfev=8)
+            f = _factors(replace(current, **{name: start}), names, res.x)
+            rms = _rms(ev, f)
+            outcome = min(outcome, rms)
+            if rms < best_rms - 1e-4:
+                best, best_fitted, best_rms = f, [n for n in free if n in names], rms
+        tried.append(f"{name} freed (RMS {outcome:.3f})")
+    starts = [] if not fitted else [
+        (f"from far {'below' if side == 'low' else 'above'}",
+         replace(current, **{n: _corner(BY_NAME[n], getattr(current, n), side) for n in fitted}))
+        for side in ("low", "high")]
+    # a per-request overhead trades against a scale along a narrow valley: restart it elsewhere
+    starts += [(f"with {n} = {v:g} s", replace(current, **{n: v})) for n in fitted
+               if n.endswith("_overhead_s") for v in _probe_values(BY_NAME[n], getattr(current, n))]
+    for label, start in starts:
+        say(f"missed inputs: restarting {', '.join(fitted)} {label}")
+        res = _least_squares(ev, start, fitted, max_nfev=10)
+        f = _factors(start, fitted, res.x)
+        rms = _rms(ev, f)
+        tried.append(f"{', '.join(fitted)} restarted {label} (RMS {rms:.3f})")
+        if rms < best_rms - 1e-4:
+            best, best_fitted, best_rms = f, list(fitted), rms
+    if best is current:
+        best, best_fitted, errors = current, fitted, _errors(ev, current, fitted)
+    else:
+        best, best_fitted, errors = _pinned_fit(ev, prior, best, best_fitted, say)
+    return best, best_fitted, errors, tried
+
+
+def _errors(ev: Evaluator, at: CostFactors, fitted: list[str],
+            floor: float = NOISE) -> dict[str, float]:
+    """The fitted parameters' standard errors (in z) at ``at``, for measurements whose
+    spread is at least ``floor``."""
+    z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
+    jac = _jacobian(ev, at, fitted, z)
+    r = ev.residuals(ev.simulate([at])[0])
+    return {n: float(e) for n, e in zip(fitted, standard_errors(jac, r, floor))}
 
 
 def _pinned_fit(ev: Evaluator, prior: CostFactors, current: CostFactors, fitted: list[str],
@@ -407,7 +578,7 @@ def _sensitivity(ev: Evaluator, at: CostFactors) -> dict[str, float]:
 
 
 def _output(ev: Evaluator, factors: CostFactors, runs: list[MeasuredRun], params: dict,
-            resid_rows: list[dict], rms: float, scenario: Scenario) -> CalibrationFile:
+            resid_rows: list[dict], rms: float, scenario: Scenario, extra: dict) -> CalibrationFile:
     base = ev.calibration(factors)
     fit_doc = FactorFitModel(
         scenario=scenario.name, measured=list(dict.fromkeys(r.source for r in runs)),
@@ -416,7 +587,9 @@ def _output(ev: Evaluator, factors: CostFactors, runs: list[MeasuredRun], params
             **{**v, "sensitivity": v["sensitivity"] if math.isfinite(v["sensitivity"]) else 1e9})
             for k, v in params.items()},
         residuals=[ResidualModel(**r) for r in resid_rows], rms_residual=rms,
-        evaluations=len(ev.cache))
+        evaluations=len(ev.cache), spread=extra["spread"],
+        misses=[ResidualModel(**r) for r in extra["misses"]], tried=extra["tried"],
+        range_ends=extra["range_ends"], candidates=extra["candidates"])
     return base.model_copy(update={"factor_fit": fit_doc,
                                    "created": datetime.date.today().isoformat()})
 
@@ -433,6 +606,10 @@ def _shown(path: str | None) -> str | None:
 
 def fit_json(result: FitResult) -> str:
     """The report as JSON (``--format json``)."""
+    fit_doc = result.calibration.factor_fit
     return json.dumps({"parameters": result.parameters, "residuals": result.residuals,
-                       "evaluations": result.evaluations, "notes": result.notes}, indent=2,
-                      default=str)
+                       "evaluations": result.evaluations, "notes": result.notes,
+                       "misfit": bool(result.misses), "misses": result.misses,
+                       "tried": result.tried, "spread": fit_doc.spread if fit_doc else None,
+                       "range_ends": [e.model_dump() for e in fit_doc.range_ends] if fit_doc else []},
+                      indent=2, default=str)

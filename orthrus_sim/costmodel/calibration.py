@@ -98,16 +98,42 @@ class FactorParameterModel(BaseModel):
     sensitivity: float = Field(description="largest relative change of a measured metric when "
                                "the parameter moves across its bounds (the rest at the fit)")
     standard_error: float | None = Field(default=None, description="fitted ones: from the "
-                                         "Jacobian and the residuals' scatter")
+                                         "Jacobian and the residuals' scatter or the stated "
+                                         "spread, whichever is larger")
 
 
 class ResidualModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
     configuration: str
+    at: list[str] = Field(default_factory=list, description="the scenario overrides it was "
+                          "measured under")
     metric: str
     measured: float
     simulated: float | None
     residual: float | None = Field(description="simulated / measured - 1")
+
+
+class CandidateModel(BaseModel):
+    """A metric the fit could have been given (a measured configuration's, not measured)."""
+    model_config = ConfigDict(extra="forbid")
+    configuration: str
+    at: list[str] = Field(default_factory=list)
+    metric: str
+    kind: str | None = None  # one kind's server of a split
+    value: float | None = Field(description="simulated at the fit")
+
+
+class RangeEndModel(BaseModel):
+    """One end of a parameter's range: every factor, with that one moved as far as the
+    measurements allow and the fitted ones refitted (``orthrus_sim.ranges``)."""
+    model_config = ConfigDict(extra="forbid")
+    parameter: str
+    side: Literal["low", "high"]
+    factors: dict[str, float]
+    growth: float = Field(description="growth of the sum of squared log residuals over the fit's")
+    at_bound: bool = Field(description="the parameter's bound stopped it, not the measurements")
+    candidates: list[float | None] = Field(default_factory=list, description="the candidate "
+                                           "measurements simulated at this end")
 
 
 class FactorFitModel(BaseModel):
@@ -120,6 +146,12 @@ class FactorFitModel(BaseModel):
     residuals: list[ResidualModel]
     rms_residual: float
     evaluations: int
+    spread: float = Field(default=0.1, description="the measurements' stated relative spread")
+    misses: list[ResidualModel] = Field(default_factory=list, description="metrics the fit is "
+                                        "further from than the spread")
+    tried: list[str] = Field(default_factory=list, description="what the fit tried on a miss")
+    range_ends: list[RangeEndModel] = Field(default_factory=list)
+    candidates: list[CandidateModel] = Field(default_factory=list)
 
 
 class CalibrationFile(BaseModel):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ class MeasuredRun:
     metrics: dict[str, float]
     source: str
     kind: str | None = None  # the one kind measured (a single-kind server of a split), if so
+    overrides: tuple[str, ...] = ()  # the scenario overrides it was measured under (--set form)
 
 
 def _number(value, where: str) -> float | None:
@@ -135,13 +137,40 @@ def run_metrics(metrics: dict, where: str) -> dict[str, float]:
     return out
 
 
-def load_measured(paths: list[str | Path], patterns: list[str] | None = None) -> list[MeasuredRun]:
+def scenario_overrides(value, where: str) -> tuple[str, ...]:
+    """A run's ``scenario_overrides``: a mapping ``{dotted.key: value}`` or a list of
+    ``dotted.key=value`` strings (the ``--set`` form), as ``--set`` strings."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = []
+        for key, v in value.items():
+            if not isinstance(key, str) or not key.strip():
+                raise ValueError(f"{where}.scenario_overrides: keys must be dotted scenario "
+                                 f"fields such as workload.generation_share, got {key!r}")
+            items.append(f"{key}={json.dumps(v)}")
+        return tuple(items)
+    if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
+        return tuple(value)
+    raise ValueError(f"{where}.scenario_overrides: expected a mapping of scenario fields "
+                     "({workload.generation_share: 0.1}) or a list of 'field=value' strings")
+
+
+def load_measured(paths: list[str | Path], patterns: list[str] | None = None,
+                  at: list[list[str]] | None = None) -> list[MeasuredRun]:
     """Every run of every file, with its fitted metrics (those matching one of ``patterns``,
-    shell-style: ``latency_s.*.p50``; all by default); a run without any is an error."""
+    shell-style: ``latency_s.*.p50``; all by default); a run without any is an error.
+
+    ``at``: per file, the scenario overrides its runs were measured under (``--at``), after
+    those a run carries itself (``runs[].scenario_overrides``, written by ``bench``)."""
     if not paths:
         raise ValueError("--measured: give at least one results file")
+    if at is not None and len(at) != len(paths):
+        raise ValueError(f"--at: give one per --measured file, in the same order ({len(paths)} "
+                         f"files, {len(at)} --at; '-' for a file measured under the scenario as "
+                         "it is)")
     runs: list[MeasuredRun] = []
-    for path in paths:
+    for index, path in enumerate(paths):
         doc = read_structured(path, "measured results file")
         if not isinstance(doc, dict):
             raise ValueError(f"measured results file {path}: expected a mapping with 'runs'")
@@ -169,8 +198,10 @@ def load_measured(paths: list[str | Path], patterns: list[str] | None = None) ->
                                  "throughput_rps.<kind>, latency_s.<kind>.<p50|p95|p99|mean>, "
                                  "utilization.busy, iterations_per_s"
                                  + (f", matching {', '.join(patterns)}" if patterns else "") + ")")
+            overrides = scenario_overrides(run.get("scenario_overrides"), where)
+            overrides += tuple(at[index]) if at else ()
             runs.append(MeasuredRun(run["configuration"], metrics, str(path),
-                                    kinds[0] if len(kinds) == 1 else None))
+                                    kinds[0] if len(kinds) == 1 else None, overrides))
     return runs
 
 

@@ -1,0 +1,254 @@
+"""Prediction ranges against simulated ground truths (issue 34's targets; docs/fitting.md).
+
+Per seed it hides random cost factors (embedding_scale, decode_scale, embedding_overhead_s,
+overlap) in a calibration, simulates a Dedicated-1:1 split served by one mixed pool of clients
+at three mixes (what a deployment's dashboard shows: each kind's throughput and p50 latency),
+and then, knowing only those numbers:
+
+* fits them jointly (one fit, each run under its own ``workload.generation_share``) and checks
+  every parameter the fit calls fitted against the truth (within 10 %; an overhead within 10 %
+  or 2 ms);
+* predicts Orthrus at the middle mix with its range and checks that the truth's throughput of
+  each kind lies inside; where the fit pinned every parameter, compares the range with the
+  point's 2-sigma error band (the fitted parameters' standard errors carried to the prediction
+  through its own finite differences);
+* takes the measurement the tool suggests for the widest range, "measures" it on the truth,
+  fits again with it and reports how much the range narrowed.
+
+    python benchmarks/fit_ranges.py                  # 20 seeds, ~30-60 min on 2 cores
+    python benchmarks/fit_ranges.py --seeds 3 --out out/fit-ranges
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from orthrus_sim.costmodel import load_calibration, save_calibration
+from orthrus_sim.costmodel.calibration import CostFactorsModel
+from orthrus_sim.experiment.measured import MeasuredRun, run_metrics
+from orthrus_sim.experiment.results import _get
+from orthrus_sim.experiment.scenario import apply_overrides, parse_scenario
+from orthrus_sim.fit import BY_NAME, Evaluator, Simulations, _factors, _jacobian, _steps, _value, fit
+from orthrus_sim.ranges import predict, suggest
+from orthrus_sim.sim.run import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+PRIOR = ROOT / "calibration" / "cpu-2core-small.json"
+MIXES = (0.1, 0.5, 0.9)
+HIDDEN = ("embedding_scale", "decode_scale", "embedding_overhead_s", "overlap")
+FIXED = {"prefill_scale": 1.0, "generation_overhead_s": 0.0}  # not hidden: held at the truth
+SHOWN = ("throughput_rps.embedding", "throughput_rps.generation", "latency_s.embedding.p50",
+         "latency_s.generation.p50")
+CO_SERVED = "orthrus"
+CHECKED = ("throughput_rps.embedding", "throughput_rps.generation")
+
+
+def scenario_raw(calibration: Path = PRIOR, seed: int = 5) -> dict:
+    """A 2-replica CPU deployment, one mixed pool of 12 closed-loop clients."""
+    return {
+        "name": "fit-ground-truth", "seed": seed, "duration_s": 60, "warmup_s": 5,
+        "hardware": "cpu-2core", "model": "orthrus-small", "calibration": str(calibration),
+        "cluster": {"gpus": 2},
+        "scheduler": {"token_budget": 2048, "chunk_size": 512, "max_num_seqs": 64},
+        "workload": {
+            "arrival": {"process": "closed-loop", "pools": "mixed", "clients": 12},
+            "generation_share": 0.5,
+            "embedding_input": {"dist": "uniform", "low": 64, "high": 256},
+            "generation_prompt": {"dist": "fixed", "value": 128},
+            "generation_output": {"dist": "uniform", "low": 16, "high": 64}},
+        "configurations": ["dedicated-1:1"],
+    }
+
+
+def hidden_truth(seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    return {"embedding_scale": math.exp(rng.uniform(math.log(0.5), math.log(2.5))),
+            "decode_scale": math.exp(rng.uniform(math.log(0.5), math.log(2.5))),
+            "embedding_overhead_s": rng.uniform(0.0, 0.04),
+            "overlap": rng.uniform(0.2, 1.6)}
+
+
+def truth_file(factors: dict[str, float], path: Path) -> Path:
+    cal = load_calibration(PRIOR)
+    save_calibration(cal.model_copy(update={"factors": CostFactorsModel(**factors)}), path)
+    return path
+
+
+def measure(raw: dict, configuration: str, share: float) -> dict:
+    """One simulated "measurement": the configuration's metrics at a mix."""
+    sc = parse_scenario(apply_overrides(raw, [f"workload.generation_share={share}"]))
+    return simulate(sc, configuration, keep_rows=False).metrics
+
+
+def measured_runs(raw_truth: dict) -> list[MeasuredRun]:
+    runs = []
+    for share in MIXES:
+        metrics = run_metrics(measure(raw_truth, "dedicated-1:1", share), "truth")
+        runs.append(MeasuredRun("dedicated-1:1", {k: metrics[k] for k in SHOWN if k in metrics},
+                                "ground truth", None, (f"workload.generation_share={share}",)))
+    return runs
+
+
+def _close(name: str, err: float, value: float) -> bool:
+    """Within 10 % (an overhead: or within 2 ms)."""
+    return err <= 0.1 * value or (name.endswith("_overhead_s") and err <= 0.002)
+
+
+def recovered(result, truth: dict[str, float]) -> dict[str, bool]:
+    """Each parameter the measurements determine to 10 % (fitted, with two standard errors at
+    the stated spread within 10 % of its value) against its truth: within 10 %."""
+    out = {}
+    for name in HIDDEN:
+        p = result.parameters[name]
+        if p["status"] == "fitted" and _close(name, 2 * (p.get("standard_error") or 0), p["value"]):
+            out[name] = _close(name, abs(p["value"] - truth[name]), truth[name])
+    return out
+
+
+def error_band(sc, mid, runs, result, metric: str, workers: int, spread: float) -> float | None:
+    """The co-served prediction's 2-sigma band (relative full width): the fitted parameters'
+    covariance (the fit's Jacobian, the residuals' scatter or the stated spread, whichever is
+    larger) carried through the prediction's own finite differences. None unless every hidden
+    parameter was fitted."""
+    params = result.parameters
+    if any(params[n]["status"] != "fitted" for n in HIDDEN):
+        return None
+    cal = result.calibration
+    at = cal.cost_factors()
+    names = list(HIDDEN)
+    z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in names])
+    with tempfile.TemporaryDirectory() as tmp:
+        with Evaluator(sc, load_calibration(PRIOR), runs, workers, Path(tmp) / "fit") as ev:
+            jac = _jacobian(ev, at, names, z)
+            r = ev.residuals(ev.simulate([at])[0])
+        m, k = jac.shape
+        sigma = max(math.sqrt(float(r @ r) / max(m - k, 1)), spread)
+        cov = sigma ** 2 * np.linalg.pinv(jac.T @ jac)
+        steps = _steps(names, z)
+        points = [at] + [_factors(at, names, z + np.eye(k)[i] * steps[i]) for i in range(k)]
+        (Path(tmp) / "pred").mkdir()
+        with Simulations(mid, cal, [((), CO_SERVED)], workers, Path(tmp) / "pred") as sims:
+            values = [_get(d[((), CO_SERVED)], metric) for d in sims.simulate(points)]
+    if not values[0] or not all(values):
+        return None
+    grad = np.array([(math.log(v) - math.log(values[0])) / steps[i] for i, v in enumerate(values[1:])])
+    return 4 * math.sqrt(max(float(grad @ cov @ grad), 0.0))
+
+
+def one_seed(seed: int, workers: int, work: Path, spread: float) -> dict:
+    truth = hidden_truth(seed)
+    raw_truth = scenario_raw(truth_file({**truth, **FIXED}, work / f"truth-{seed}.json"), seed)
+    runs = measured_runs(raw_truth)
+    sc = parse_scenario(scenario_raw(seed=seed))
+    start = time.perf_counter()
+    result = fit(sc, runs, workers, FIXED, spread=spread)
+    fit_s = time.perf_counter() - start
+    mid_raw = apply_overrides(scenario_raw(seed=seed), ["workload.generation_share=0.5"])
+    mid = parse_scenario(mid_raw | {"configurations": [CO_SERVED]})
+    ranges = [r for r in predict(mid, result.calibration, [CO_SERVED], workers) if r.metric in CHECKED]
+    real = measure(raw_truth, CO_SERVED, 0.5)
+    inside = {r.metric: r.low * 0.999 <= _get(real, r.metric) <= r.high * 1.001 for r in ranges}
+    widest = max(ranges, key=lambda r: r.width)
+    row = {"seed": seed, "truth": truth, "fit_s": fit_s, "evaluations": result.evaluations,
+           "status": {n: result.parameters[n]["status"] for n in HIDDEN},
+           "fitted": {n: result.parameters[n]["value"] for n in HIDDEN},
+           "standard_error": {n: result.parameters[n].get("standard_error") for n in HIDDEN},
+           "recovered": recovered(result, truth), "misfit": bool(result.misses),
+           "ranges": [r.as_dict() | {"truth": _get(real, r.metric)} for r in ranges],
+           "inside": inside, "widest": widest.metric, "width": widest.width}
+    band = error_band(sc, mid, runs, result, widest.metric, workers, spread)
+    row["band"] = band
+    tips = suggest(widest, result.calibration)
+    if tips and widest.width > 0:
+        tip = tips[0]
+        share = float(tip.at[0].split("=")[1]) if tip.at else 0.5
+        value = _value(measure(raw_truth, tip.configuration, share), tip.metric, tip.kind)
+        more = list(runs)
+        more.append(MeasuredRun(tip.configuration, {tip.metric: value}, "suggested", tip.kind,
+                                tuple(tip.at)))
+        again = fit(sc, more, workers, FIXED, spread=spread)
+        narrowed = [r for r in predict(mid, again.calibration, [CO_SERVED], workers)
+                    if r.metric == widest.metric][0]
+        row["suggested"] = tip.as_dict() | {"estimated_removal": tip.removes}
+        row["narrowed_width"] = narrowed.width
+        row["narrowed_inside"] = narrowed.low * 0.999 <= _get(real, widest.metric) <= narrowed.high * 1.001
+    return row
+
+
+def report(rows: list[dict], console: Console) -> None:
+    table = Table(title="fit ranges against simulated ground truths (Dedicated-1:1 at 3 mixes, "
+                        "one mixed pool; predicting Orthrus at 0.5)")
+    for col in ("seed", "truth e/d/oh/ov", "determined", "recovered", "inside", "widest", "width",
+                "2-sigma band", "suggested", "after", "fit s"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        t = r["truth"]
+        table.add_row(
+            str(r["seed"]), f"{t['embedding_scale']:.2f}/{t['decode_scale']:.2f}/"
+            f"{t['embedding_overhead_s'] * 1e3:.0f}ms/{t['overlap']:.2f}",
+            " ".join(n.split("_")[0][:3] + ("_oh" if n.endswith("_s") else "")
+                     for n in r["recovered"]),
+            "ok" if all(r["recovered"].values()) else "MISS " + ",".join(
+                n for n, ok in r["recovered"].items() if not ok),
+            "ok" if all(r["inside"].values()) else "OUT",
+            r["widest"].split(".")[-1], f"{r['width']:.1%}",
+            "-" if r["band"] is None else f"{r['band']:.1%}",
+            (r["suggested"]["configuration"] + " " + r["suggested"]["metric"]
+             + (f" ({r['suggested']['kind']})" if r["suggested"]["kind"] else "")
+             + (f" @{r['suggested']['at'][0].split('=')[1]}" if r["suggested"]["at"] else ""))
+            if "suggested" in r else "-",
+            f"{r['narrowed_width']:.1%}" if "narrowed_width" in r else "-", f"{r['fit_s']:.0f}")
+    console.print(table)
+    n = len(rows)
+    covered = sum(all(r["inside"].values()) for r in rows)
+    rec = sum(all(r["recovered"].values()) for r in rows)
+    pinned = [r for r in rows if r["band"] is not None]
+    narrow_ok = sum(1 for r in rows if "narrowed_width" in r and r["width"] > 0
+                    and r["narrowed_width"] <= 0.5 * r["width"])
+    console.print(f"every parameter determined to 10 % recovered within 10 %: {rec}/{n} seeds "
+                  f"({sum(len(r['recovered']) for r in rows)} parameters determined)")
+    console.print(f"truth's co-served throughput (both kinds) inside the range: {covered}/{n}")
+    if pinned:
+        ratios = [r["width"] / r["band"] for r in pinned if r["band"]]
+        console.print(f"all four pinned in {len(pinned)}/{n}: range / 2-sigma band "
+                      f"median {np.median(ratios):.2f}, max {max(ratios):.2f}")
+    console.print(f"the suggested measurement narrowed the widest range by >= 50 %: {narrow_ok}/{n}")
+    console.print(f"fit time: median {np.median([r['fit_s'] for r in rows]):.0f} s, "
+                  f"simulations median {np.median([r['evaluations'] for r in rows]):.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--first", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--spread", type=float, default=0.03, help="the measurements' stated spread")
+    ap.add_argument("--out", type=Path, default=None, help="folder for fit_ranges.json")
+    args = ap.parse_args()
+    console = Console()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, Progress(console=console, transient=True) as bar:
+        task = bar.add_task("seeds", total=args.seeds)
+        for seed in range(args.first, args.first + args.seeds):
+            rows.append(one_seed(seed, args.workers, Path(tmp), args.spread))
+            bar.update(task, advance=1)
+    report(rows, console)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fit_ranges.json").write_text(json.dumps(rows, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

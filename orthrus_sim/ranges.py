@@ -1,0 +1,315 @@
+"""How sure a prediction is: each cost factor moved as far as the fit's measurements allow
+(the fitted ones refitted), a prediction's extremes over those moves, and the one extra
+measurement that would narrow the widest range most (docs/fitting.md, "Prediction ranges").
+
+A move is allowed while the sum of squared log residuals grows by no more than
+``(Z * spread)^2``: for measurements with a relative spread ``spread`` that is a ``Z``-sigma
+move of one parameter, the others refitted (a profile of the fit's misfit). A fitted
+parameter's ends come from the fit's Jacobian (a linear profile; the fitted ones move with it
+as the Jacobian says they would refit); a parameter the fit left undetermined is moved to its
+bound, or halfway back while that grows the misfit too much, the fitted ones refitted by one
+Gauss-Newton step on the same Jacobian. Every end is then simulated once, which records its
+actual misfit growth and the measured configurations' other metrics there (the candidates of
+``suggest``).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from orthrus_sim.costmodel.calibration import CalibrationFile, CandidateModel, RangeEndModel
+from orthrus_sim.costmodel.factors import CostFactors
+from orthrus_sim.experiment.measured import ITERATION_RATE
+from orthrus_sim.experiment.results import _get
+from orthrus_sim.experiment.scenario import Scenario
+from orthrus_sim.fit import BY_NAME, Evaluator, Simulations, _factors, _jacobian, _value
+
+Z = 2.0  # ends at a 2-sigma move of one parameter
+BISECT = 3  # halvings towards an undetermined parameter's farthest allowed value
+SHRINK = 1.5  # a simulated end this far above the allowed growth is pulled in once
+
+PREDICTED = ("throughput_rps.embedding", "throughput_rps.generation", "latency_s.embedding.p50",
+             "latency_s.generation.p50", "latency_s.ttft.p99", "latency_s.tpot.p99")
+# what a bench of a measured configuration can report besides what was fitted (kind: that
+# role's replicas of a split)
+CANDIDATES = (("throughput_rps.embedding", None), ("throughput_rps.generation", None),
+              ("latency_s.embedding.p50", None), ("latency_s.generation.p50", None),
+              ("latency_s.ttft.p50", None), ("latency_s.tpot.p50", None),
+              (ITERATION_RATE, "embedding"), (ITERATION_RATE, "generation"),
+              (ITERATION_RATE, None), ("utilization.busy", "embedding"),
+              ("utilization.busy", "generation"), ("utilization.busy", None))
+
+
+def _ssr(r: np.ndarray) -> float:
+    return float(r @ r)
+
+
+def _bounds(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    lo = np.array([BY_NAME[n].z_bounds[0] for n in names])
+    hi = np.array([BY_NAME[n].z_bounds[1] for n in names])
+    return lo, hi
+
+
+def _along(z: np.ndarray, d: np.ndarray, names: list[str], length: float) -> tuple[float, bool]:
+    """How far (up to ``length``) ``z`` may go along ``d`` inside the bounds; and whether a
+    bound stopped it."""
+    lo, hi = _bounds(names)
+    room = math.inf
+    for j, dj in enumerate(d):
+        if dj > 1e-12:
+            room = min(room, (hi[j] - z[j]) / dj)
+        elif dj < -1e-12:
+            room = min(room, (lo[j] - z[j]) / dj)
+    room = max(room, 0.0)
+    return (length, False) if length <= room else (room, True)
+
+
+def _linear_end(jac: np.ndarray, at: CostFactors, fitted: list[str], name: str, side: str,
+                budget: float) -> tuple[CostFactors, bool]:
+    """A fitted parameter moved until the misfit grows by ``budget``, by the Jacobian: the
+    others follow as they would refit (the least-squares coefficients of its column on theirs)."""
+    i = fitted.index(name)
+    col, others = jac[:, i], np.delete(jac, i, axis=1)
+    coef = np.linalg.lstsq(others, col, rcond=None)[0] if others.shape[1] else np.zeros(0)
+    norm = float(np.linalg.norm(col - others @ coef)) if others.shape[1] else float(np.linalg.norm(col))
+    sign = -1.0 if side == "low" else 1.0
+    d = np.insert(-coef * sign, i, sign)
+    z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
+    length, bound = _along(z, d, fitted, math.sqrt(budget) / norm if norm > 1e-12 else math.inf)
+    return _factors(at, fitted, z + length * d), bound
+
+
+class _Trials:
+    """Factor sets with one parameter set to a value and the fitted ones refitted by one
+    Gauss-Newton step on the fit's Jacobian; simulated in batches."""
+
+    def __init__(self, ev: Evaluator, at: CostFactors, fitted: list[str], jac: np.ndarray) -> None:
+        self.ev, self.at, self.fitted, self.jac = ev, at, fitted, jac
+        self.ssr0 = _ssr(ev.residuals(ev.simulate([at])[0]))
+        self.z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
+
+    def run(self, moves: list[tuple[str, float]]) -> list[tuple[CostFactors, float]]:
+        """(factors, misfit growth) for each (parameter, value)."""
+        first = [replace(self.at, **{n: v}) for n, v in moves]
+        r1 = [self.ev.residuals(s) for s in self.ev.simulate(first)]
+        if not self.fitted:
+            return [(f, _ssr(r) - self.ssr0) for f, r in zip(first, r1)]
+        lo, hi = _bounds(self.fitted)
+        second = []
+        for f, r in zip(first, r1):
+            dz = -np.linalg.lstsq(self.jac, r, rcond=None)[0]
+            second.append(_factors(f, self.fitted, np.clip(self.z + dz, lo, hi)))
+        r2 = [self.ev.residuals(s) for s in self.ev.simulate(second)]
+        out = []
+        for a, ra, b, rb in zip(first, r1, second, r2):
+            out.append((a, _ssr(ra) - self.ssr0) if _ssr(ra) <= _ssr(rb) else (b, _ssr(rb) - self.ssr0))
+        return out
+
+
+def _midpoint(name: str, near: float, far: float) -> float:
+    """Halfway in the parameter's own scale (geometric for scales and for an overhead moving up
+    from a few milliseconds)."""
+    p = BY_NAME[name]
+    if p.log:
+        return math.sqrt(near * far)
+    if p.name.endswith("_overhead_s") and far > near:
+        return math.sqrt(max(near, 0.001) * far)
+    return (near + far) / 2
+
+
+def _refitted_ends(trials: _Trials, names: list[str], budget: float,
+                   say: Callable[[str], None]) -> dict[tuple[str, str], tuple[CostFactors, bool]]:
+    """Each parameter the fit left out moved to either bound, or as near it as the budget
+    allows (halving the step ``BISECT`` times), the fitted ones refitted."""
+    at = trials.at
+    todo = {}
+    for name in names:
+        p = BY_NAME[name]
+        for side, bound in (("low", p.low), ("high", p.high)):
+            todo[(name, side)] = (getattr(at, name), bound)
+    out: dict[tuple[str, str], tuple[CostFactors, bool]] = {}
+    keys = [k for k, (near, far) in todo.items() if near != far]
+    for k, (near, far) in todo.items():
+        if near == far:
+            out[k] = (at, True)
+    if not keys:
+        return out
+    say(f"moving {', '.join(dict.fromkeys(k[0] for k in keys))} to their bounds")
+    accepted = {k: at for k in keys}
+    for k, (f, growth) in zip(keys, trials.run([(k[0], todo[k][1]) for k in keys])):
+        if growth <= budget:
+            out[k] = (f, True)
+    pending = [k for k in keys if k not in out]
+    spans = {k: todo[k] for k in pending}
+    for _ in range(BISECT):
+        if not pending:
+            break
+        mids = {k: _midpoint(k[0], *spans[k]) for k in pending}
+        for k, (f, growth) in zip(pending, trials.run([(k[0], mids[k]) for k in pending])):
+            near, far = spans[k]
+            if growth <= budget:
+                accepted[k], spans[k] = f, (mids[k], far)
+            else:
+                spans[k] = (near, mids[k])
+    for k in pending:
+        out[k] = (accepted[k], False)
+    return out
+
+
+def _candidates(ev: Evaluator, point: dict) -> list[tuple[tuple, str, str | None]]:
+    """The measured configurations' metrics the fit was not given, that the simulation has."""
+    measured = {(case, metric, kind) for (case, metric, _), kind in zip(ev.targets, ev.kinds)}
+    measured |= {(case, metric, None) for case, metric, _ in ev.targets}
+    out = []
+    for case in ev.cases:
+        roles = {g.get("role") for g in (point[case].get("utilization") or {}).get("per_gpu", [])}
+        for metric, kind in CANDIDATES:
+            if (case, metric, kind) in measured or (kind is not None and kind not in roles):
+                continue
+            if _value(point[case], metric, kind):
+                out.append((case, metric, kind))
+    return out
+
+
+def profile(ev: Evaluator, at: CostFactors, fitted: list[str], movable: list[str], spread: float,
+            say: Callable[[str], None]) -> tuple[list[RangeEndModel], list[CandidateModel]]:
+    """Both ends of every movable parameter (module docstring), each simulated on the measured
+    configurations, and the candidate measurements with their values at the fit."""
+    budget = (Z * spread) ** 2
+    z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
+    jac = _jacobian(ev, at, fitted, z) if fitted else np.zeros((len(ev.targets), 0))
+    trials = _Trials(ev, at, fitted, jac)
+    raw = {(n, s): _linear_end(jac, at, fitted, n, s, budget)
+           for n in fitted if n in movable for s in ("low", "high")}
+    raw |= _refitted_ends(trials, [n for n in movable if n not in fitted], budget, say)
+    keys = [(n, s) for n in movable for s in ("low", "high")]
+    sims = ev.simulate([raw[k][0] for k in keys])
+    # a linear end the simulation finds much dearer than the Jacobian said is pulled in once
+    again = [k for k, s in zip(keys, sims) if k[0] in fitted
+             and _ssr(ev.residuals(s)) - trials.ssr0 > SHRINK * budget]
+    if again:
+        for k in again:
+            f, bound = raw[k]
+            growth = _ssr(ev.residuals(ev.simulate([f])[0])) - trials.ssr0
+            zk = np.array([BY_NAME[n].to_z(getattr(f, n)) for n in fitted])
+            raw[k] = (_factors(at, fitted, z + (zk - z) * math.sqrt(budget / growth)), False)
+        sims = ev.simulate([raw[k][0] for k in keys])
+    point = ev.simulate([at])[0]
+    cands = _candidates(ev, point)
+    ends = []
+    for k, s in zip(keys, sims):
+        f, bound = raw[k]
+        ends.append(RangeEndModel(
+            parameter=k[0], side=k[1], factors=f.as_dict(),
+            growth=max(0.0, _ssr(ev.residuals(s)) - trials.ssr0), at_bound=bound,
+            candidates=[_value(s[case], metric, kind) for case, metric, kind in cands]))
+    return ends, [CandidateModel(configuration=case[1], at=list(case[0]), metric=metric, kind=kind,
+                                 value=_value(point[case], metric, kind))
+                  for case, metric, kind in cands]
+
+
+# ----- predictions ------------------------------------------------------------------------
+@dataclass
+class Range:
+    """One predicted metric: the point and its extremes over the fit's parameter ends."""
+
+    configuration: str
+    metric: str
+    point: float
+    low: float
+    high: float
+    low_end: str | None  # "parameter low|high" that gives the low extreme (None: the point)
+    high_end: str | None
+    values: list[float | None] = field(default_factory=list)  # at each end, in the fit's order
+
+    @property
+    def width(self) -> float:
+        """The range's width relative to the point."""
+        return (self.high - self.low) / self.point if self.point else math.inf
+
+    def as_dict(self) -> dict:
+        return {"configuration": self.configuration, "metric": self.metric, "point": self.point,
+                "low": self.low, "high": self.high, "low_end": self.low_end,
+                "high_end": self.high_end, "relative_width": self.width}
+
+
+def predict(scenario: Scenario, calibration: CalibrationFile, configurations: list[str],
+            workers: int = 1, metrics: tuple[str, ...] = PREDICTED) -> list[Range]:
+    """Each configuration simulated at the calibration's factors and at every end of its fit's
+    parameter ranges; per metric the point and the extremes (a calibration without a fit's
+    ranges gives points only)."""
+    ends = calibration.factor_fit.range_ends if calibration.factor_fit else []
+    point = calibration.cost_factors() or CostFactors()
+    batch = [point] + [CostFactors(**e.factors) for e in ends]
+    cases = [((), c) for c in configurations]
+    with tempfile.TemporaryDirectory(prefix="orthrus-predict-") as tmp, \
+            Simulations(scenario, calibration, cases, workers, Path(tmp)) as sims:
+        docs = sims.simulate(batch)
+    out = []
+    for case in cases:
+        for metric in metrics:
+            at = _get(docs[0][case], metric)
+            if not at:
+                continue
+            values = [_get(d[case], metric) for d in docs[1:]]
+            low, high, low_end, high_end = at, at, None, None
+            for e, v in zip(ends, values):
+                if v is None:
+                    continue
+                if v < low:
+                    low, low_end = v, f"{e.parameter} {e.side}"
+                if v > high:
+                    high, high_end = v, f"{e.parameter} {e.side}"
+            out.append(Range(case[1], metric, at, low, high, low_end, high_end, values))
+    return out
+
+
+@dataclass
+class Suggestion:
+    """A measurement the fit was not given, and how much of a range it would remove."""
+
+    configuration: str
+    at: list[str]
+    metric: str
+    kind: str | None
+    value: float | None  # simulated at the fit
+    removes: float  # share of the range's width it would remove
+
+    def as_dict(self) -> dict:
+        return {"configuration": self.configuration, "at": self.at, "metric": self.metric,
+                "kind": self.kind, "value": self.value, "removes": self.removes}
+
+
+def suggest(widest: Range, calibration: CalibrationFile, top: int = 3) -> list[Suggestion]:
+    """The candidate measurements ranked by how much of ``widest`` each would remove, were it
+    measured at the fit's simulated value: at every end, the new metric's log distance from
+    that value adds to the misfit growth, and the end moves back along its path until the
+    growth is within the budget again (growth taken as quadratic along the path)."""
+    fit_doc = calibration.factor_fit
+    if fit_doc is None or not fit_doc.range_ends or widest.high <= widest.low:
+        return []
+    budget = (Z * fit_doc.spread) ** 2
+    out = []
+    for ci, cand in enumerate(fit_doc.candidates):
+        lows, highs = [widest.point], [widest.point]
+        for e, v in zip(fit_doc.range_ends, widest.values):
+            if v is None:
+                continue
+            c = e.candidates[ci] if ci < len(e.candidates) else None
+            d = math.log(c / cand.value) if c and cand.value else 1.0
+            grown = e.growth + d * d
+            t = 1.0 if grown <= budget else math.sqrt(budget / grown)
+            moved = widest.point + t * (v - widest.point)
+            lows.append(moved)
+            highs.append(moved)
+        width = max(highs) - min(lows)
+        out.append(Suggestion(cand.configuration, cand.at, cand.metric, cand.kind, cand.value,
+                              1 - width / (widest.high - widest.low)))
+    out.sort(key=lambda s: -s.removes)
+    return out[:top]
