@@ -37,10 +37,19 @@ from rich.table import Table
 
 from orthrus_sim.costmodel import load_calibration, save_calibration
 from orthrus_sim.costmodel.calibration import CostFactorsModel
+from orthrus_sim.evaluation import (
+    BY_NAME,
+    Evaluator,
+    Simulations,
+    difference_steps,
+    factors_at,
+    jacobian,
+    metric_value,
+)
 from orthrus_sim.experiment.measured import MeasuredRun, run_metrics
 from orthrus_sim.experiment.results import _get
 from orthrus_sim.experiment.scenario import apply_overrides, parse_scenario
-from orthrus_sim.fit import BY_NAME, Evaluator, Simulations, _factors, _jacobian, _steps, _value, fit
+from orthrus_sim.fit import fit
 from orthrus_sim.ranges import predict, suggest
 from orthrus_sim.sim.run import simulate
 
@@ -131,13 +140,13 @@ def error_band(sc, mid, runs, result, metric: str, workers: int, spread: float) 
     z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in names])
     with tempfile.TemporaryDirectory() as tmp:
         with Evaluator(sc, load_calibration(PRIOR), runs, workers, Path(tmp) / "fit") as ev:
-            jac = _jacobian(ev, at, names, z)
+            jac = jacobian(ev, at, names, z)
             r = ev.residuals(ev.simulate([at])[0])
         m, k = jac.shape
         sigma = max(math.sqrt(float(r @ r) / max(m - k, 1)), spread)
         cov = sigma ** 2 * np.linalg.pinv(jac.T @ jac)
-        steps = _steps(names, z)
-        points = [at] + [_factors(at, names, z + np.eye(k)[i] * steps[i]) for i in range(k)]
+        steps = difference_steps(names, z)
+        points = [at] + [factors_at(at, names, z + np.eye(k)[i] * steps[i]) for i in range(k)]
         (Path(tmp) / "pred").mkdir()
         with Simulations(mid, cal, [((), CO_SERVED)], workers, Path(tmp) / "pred") as sims:
             values = [_get(d[((), CO_SERVED)], metric) for d in sims.simulate(points)]
@@ -174,7 +183,7 @@ def one_seed(seed: int, workers: int, work: Path, spread: float) -> dict:
     if tips and widest.width > 0:
         tip = tips[0]
         share = float(tip.at[0].split("=")[1]) if tip.at else 0.5
-        value = _value(measure(raw_truth, tip.configuration, share), tip.metric, tip.kind)
+        value = metric_value(measure(raw_truth, tip.configuration, share), tip.metric, tip.kind)
         more = list(runs)
         more.append(MeasuredRun(tip.configuration, {tip.metric: value}, "suggested", tip.kind,
                                 tuple(tip.at)))

@@ -240,6 +240,8 @@ def bench(
     except Exception as exc:  # connection refused, server gone: say so plainly
         fail(f"bench against {url} failed: {exc}", 1)
     doc, rows = repeats_doc(docs)
+    for run in doc["runs"]:  # what a fit simulates this run under (orthrus-sim fit)
+        run["scenario_overrides"] = list(set_)
     path = write_results(doc, rows, out)
     notes = console if fmt == "table" else make_console(stderr=True)
     print_runs(console, doc["runs"], f"{sc.name} against {url}", fmt, notes=notes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -199,6 +200,8 @@ def fit(
                                  "--measured, in order; '-' for none): one joint fit across loads"),
     spread: float = typer.Option(0.10, "--spread", help="the measurements' relative run-to-run "
                                  "spread; sets the standard-error floor and the ranges' width"),
+    predict_: str = typer.Option(None, "--predict", help="then predict these configurations "
+                                 "(comma-separated) with the fit's ranges, as orthrus-sim predict"),
     workers: int = typer.Option(0, help="parallel simulations (0: one per CPU)"),
     fmt: str = typer.Option("table", "--format", help="table | json"),
 ) -> None:
@@ -230,20 +233,74 @@ def fit(
         overrides = [[] if a.strip() == "-" else [o.strip() for o in a.split(";") if o.strip()]
                      for a in at]
         runs = load_measured(measured, metrics, overrides or None)
+        configs = _configurations(predict_, "--predict") if predict_ is not None else []
+        if configs:  # a configuration the scenario can't run fails here, before the fit
+            from orthrus_sim.experiment.scenario import parse_scenario, scenario_dump
+
+            parse_scenario(scenario_dump(sc) | {"configurations": configs},
+                           f"{scenario} (--predict)")
         with console.status("fitting ...") as status:
             result = run_fit(sc, runs, workers or os.cpu_count() or 1, fixed,
                              progress=lambda msg: status.update(f"fitting: {msg}"),
                              spread=spread)
+        save_calibration(result.calibration, out)
+        predictions = _predictions(sc, result.calibration, configs, workers) if configs else None
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
-    save_calibration(result.calibration, out)
     if fmt == "json":
-        console.print(fit_json(result), markup=False, highlight=False, soft_wrap=True)
+        doc = json.loads(fit_json(result))
+        if predictions:
+            doc["predictions"] = _predictions_doc(*predictions)
+        console.print(json.dumps(doc), markup=False, highlight=False, soft_wrap=True)
     else:
         _print_fit(result)
+        if predictions:
+            _print_predictions(sc.name, str(out), result.calibration, *predictions)
     console.print(f"wrote {out}", highlight=False)
+
+
+def _configurations(value: str, flag: str) -> list[str]:
+    configs = [c.strip() for c in value.split(",") if c.strip()]
+    if not configs:
+        fail(f"{flag}: give at least one configuration")
+    return configs
+
+
+def _predictions(sc, cal, configs: list[str], workers: int) -> tuple[list, list]:
+    """The configurations' ranges under ``cal``, and what to measure next for the widest."""
+    import os
+
+    from orthrus_sim.ranges import predict as run_predict
+    from orthrus_sim.ranges import suggest
+
+    with console.status("predicting ..."):
+        ranges = run_predict(sc, cal, configs, workers or os.cpu_count() or 1)
+    widest = max(ranges, key=lambda r: r.width, default=None)
+    return ranges, (suggest(widest, cal) if widest else [])
+
+
+def _predictions_doc(ranges: list, nexts: list) -> dict:
+    return {"ranges": [r.as_dict() for r in ranges], "measure_next": [s.as_dict() for s in nexts]}
+
+
+def _print_predictions(name: str, source: str, cal, ranges: list, nexts: list) -> None:
+    table = Table(title=f"{name}: predictions with ranges ({escape(source)})")
+    for col in ("configuration", "metric", "point", "low", "high", "low end", "high end"):
+        table.add_column(col, overflow="fold")
+    for r in ranges:
+        table.add_row(r.configuration, r.metric, f"{r.point:.4g}", f"{r.low:.4g}",
+                      f"{r.high:.4g}", r.low_end or "-", r.high_end or "-")
+    if not (cal.factor_fit and cal.factor_fit.range_ends):
+        table.caption = "this calibration has no fitted ranges: points only"
+    console.print(table)
+    widest = max(ranges, key=lambda r: r.width, default=None)
+    for s in nexts:
+        where = f" at {'; '.join(s.at)}" if s.at else ""
+        console.print(f"measure next: {s.configuration}{where} {s.metric} (would remove "
+                      f"~{s.removes:.0%} of the {widest.configuration} {widest.metric} range)",
+                      highlight=False, markup=False)
 
 
 @app.command()
@@ -259,53 +316,29 @@ def predict(
 ) -> None:
     """Predict configurations with ranges: each simulated at the fit's point and at every end of
     its parameter ranges; says which parameter drives each range and what to measure next."""
-    import json
-    import os
-
     from orthrus_sim.costmodel import load_calibration
     from orthrus_sim.experiment.scenario import load_scenario
-    from orthrus_sim.ranges import predict as run_predict
-    from orthrus_sim.ranges import suggest
 
     if fmt not in ("table", "json"):
         fail(f"--format must be table or json, got {fmt!r}")
     try:
         sc = load_scenario(scenario, set_)
         cal = load_calibration(calibration)
-        configs = [c.strip() for c in configurations.split(",") if c.strip()]
-        if not configs:
-            fail("--configurations: give at least one configuration")
-        with console.status("predicting ..."):
-            ranges = run_predict(sc, cal, configs, workers or os.cpu_count() or 1)
+        ranges, nexts = _predictions(sc, cal, _configurations(configurations, "--configurations"),
+                                     workers)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
-    widest = max(ranges, key=lambda r: r.width, default=None)
-    nexts = suggest(widest, cal) if widest else []
     if fmt == "json":
-        console.print(json.dumps({"ranges": [r.as_dict() for r in ranges],
-                                  "measure_next": [s.as_dict() for s in nexts]}),
-                      markup=False, highlight=False, soft_wrap=True)
-        return
-    table = Table(title=f"{sc.name}: predictions with ranges ({escape(str(calibration))})")
-    for col in ("configuration", "metric", "point", "low", "high", "low end", "high end"):
-        table.add_column(col, overflow="fold")
-    for r in ranges:
-        table.add_row(r.configuration, r.metric, f"{r.point:.4g}", f"{r.low:.4g}",
-                      f"{r.high:.4g}", r.low_end or "-", r.high_end or "-")
-    if not (cal.factor_fit and cal.factor_fit.range_ends):
-        table.caption = "this calibration has no fitted ranges: points only"
-    console.print(table)
-    for s in nexts:
-        where = f" at {'; '.join(s.at)}" if s.at else ""
-        console.print(f"measure next: {s.configuration}{where} {s.metric} (would remove "
-                      f"~{s.removes:.0%} of the {widest.configuration} {widest.metric} range)",
-                      highlight=False, markup=False)
+        console.print(json.dumps(_predictions_doc(ranges, nexts)), markup=False, highlight=False,
+                      soft_wrap=True)
+    else:
+        _print_predictions(sc.name, str(calibration), cal, ranges, nexts)
 
 
 def _print_fit(result) -> None:
-    from orthrus_sim.fit import BY_NAME
+    from orthrus_sim.evaluation import BY_NAME
 
     params = Table(title=f"fitted factors ({result.evaluations} simulations)")
     for col in ("parameter", "value", "prior", "bounds", "status", "sensitivity", "meaning"):

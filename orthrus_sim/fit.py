@@ -14,7 +14,6 @@ instead of being fitted to noise. The others are fitted with scipy's bounded lea
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import math
 import tempfile
@@ -25,75 +24,31 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
-from orthrus_sim.costmodel import load_calibration, save_calibration
+from orthrus_sim.costmodel import load_calibration
 from orthrus_sim.costmodel.calibration import (
     CalibrationFile,
-    CostFactorsModel,
     FactorFitModel,
     FactorParameterModel,
-    FitErrorModel,
     ResidualModel,
-    SourceModel,
-    coefficients_model,
 )
-from orthrus_sim.costmodel.coefficients import Coefficients
 from orthrus_sim.costmodel.factors import CostFactors
-from orthrus_sim.experiment.measured import ITERATION_RATE, MeasuredRun, iteration_rate
-from orthrus_sim.experiment.results import _get
+from orthrus_sim.evaluation import (
+    BY_NAME,
+    PARAMETERS,
+    Evaluator,
+    Parameter,
+    factors_at,
+    jacobian,
+)
+from orthrus_sim.experiment.measured import MeasuredRun
 from orthrus_sim.experiment.scenario import (
     Scenario,
-    apply_overrides,
-    parse_scenario,
-    scenario_dump,
 )
-from orthrus_sim.runner import Task, process_pool, run_task
+from orthrus_sim.ranges import profile
 
-
-@dataclass(frozen=True)
-class Parameter:
-    """One fitted factor: its bounds, and how the optimiser moves it. ``log``: in log space
-    (scales); else in steps of ``unit`` (the change whose effect decides whether the
-    measurements determine it)."""
-
-    name: str
-    low: float
-    high: float
-    log: bool
-    unit: float
-    tolerance: float  # largest standard error (in z) of a parameter the measurements pin
-    meaning: str
-
-    def to_z(self, value: float) -> float:
-        return math.log(value) if self.log else value / self.unit
-
-    def from_z(self, z: float) -> float:
-        return math.exp(z) if self.log else z * self.unit
-
-    @property
-    def z_bounds(self) -> tuple[float, float]:
-        return self.to_z(self.low), self.to_z(self.high)
-
-
-PARAMETERS = (
-    Parameter("embedding_scale", 0.05, 20.0, True, 1.0, 0.05,
-              "x the device time of embedding (pooling-path) chunks"),
-    Parameter("prefill_scale", 0.05, 20.0, True, 1.0, 0.05,
-              "x the device time of generation prefill chunks"),
-    Parameter("decode_scale", 0.05, 20.0, True, 1.0, 0.05, "x the device time of decodes"),
-    Parameter("overlap", 0.0, 2.0, False, 1.0, 0.2,
-              "share of the roofline's co-batching saving a mixed iteration realises "
-              "(0: parts add up, 1: the calibration's roofline)"),
-    Parameter("embedding_overhead_s", 0.0, 0.5, False, 0.01, 0.2,
-              "seconds per embedding request in the server, outside the forward pass"),
-    Parameter("generation_overhead_s", 0.0, 0.5, False, 0.01, 0.2,
-              "seconds per generation request in the server, outside the forward pass"),
-)
-BY_NAME = {p.name: p for p in PARAMETERS}
-STEP = 0.15  # finite-difference step, in z (15 % of a scale, 1.5 ms of an overhead)
 DETERMINED = 0.05  # a unit change moving the metrics (norm of log ratios) less: undetermined
 NOISE = 0.01  # floor of the metrics' scatter (log ratio) in the standard errors
 SPREAD = 0.10  # the measurements' stated spread (relative), unless told
-MISSING = math.log(1e-2)  # residual when the simulation produces no value for a measured metric
 
 
 @dataclass
@@ -105,153 +60,6 @@ class FitResult:
     notes: list[str] = field(default_factory=list)
     misses: list[dict] = field(default_factory=list)  # metrics further than the spread
     tried: list[str] = field(default_factory=list)  # what the fit tried before giving up
-
-
-Case = tuple[tuple[str, ...], str]  # (scenario overrides, configuration): one simulation
-
-
-def _case_metrics(task: Task) -> dict:
-    """One simulation's metrics (a worker's task: only the metrics travel back)."""
-    return run_task(task).metrics
-
-
-class Simulations:
-    """The cases (a configuration under scenario overrides) simulated at given cost factors:
-    cached by factors, every case of every new factor set one task, in one process pool kept
-    for the caller's block (``with``), so a fit pays the workers' start once."""
-
-    def __init__(self, scenario: Scenario, prior: CalibrationFile | None, cases: list[Case],
-                 workers: int, tmp: Path) -> None:
-        base = scenario_dump(scenario)
-        self.raws: dict[tuple[str, ...], dict] = {}
-        for overrides in dict.fromkeys(ov for ov, _ in cases):
-            configs = list(dict.fromkeys(cfg for ov, cfg in cases if ov == overrides))
-            where = "fit scenario" + (f" at {', '.join(overrides)}" if overrides else "")
-            raw = apply_overrides(base, list(overrides), "scenario_overrides")
-            # every measured configuration must fit the scenario under its overrides
-            self.raws[overrides] = scenario_dump(parse_scenario(raw | {"configurations": configs},
-                                                                where))
-        self.cases = list(dict.fromkeys(cases))
-        self.prior = prior
-        self.scenario = scenario
-        self.workers = workers
-        self.tmp = tmp
-        self.cache: dict[tuple, dict[Case, dict]] = {}
-        self._pool = None
-
-    def __enter__(self) -> Simulations:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None
-
-    def calibration(self, factors: CostFactors) -> CalibrationFile:
-        """The prior (its coefficients, hardware, environment) with ``factors``."""
-        base = self.prior or default_calibration(self.scenario)
-        return base.model_copy(update={"factors": CostFactorsModel(**factors.as_dict())})
-
-    def simulate(self, batch: list[CostFactors]) -> list[dict[Case, dict]]:
-        """``{case: metrics}`` at each of the factors."""
-        tasks: list[tuple[tuple, Case, Task]] = []
-        for f in batch:
-            key = tuple(f.as_dict().values())
-            if key in self.cache or any(k == key for k, _, _ in tasks):
-                continue
-            digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-            path = self.tmp / f"cal-{digest}.json"
-            save_calibration(self.calibration(f), path)
-            for ov, cfg in self.cases:
-                raw = self.raws[ov] | {"calibration": str(path), "configurations": [cfg]}
-                tasks.append((key, (ov, cfg), Task(raw, cfg, f"{digest} {cfg}")))
-        if tasks:
-            done: dict[tuple, dict[Case, dict]] = {}
-            for (key, case, _), metrics in zip(tasks, self._run([t for _, _, t in tasks])):
-                done.setdefault(key, {})[case] = metrics
-            self.cache.update(done)
-        return [self.cache[tuple(f.as_dict().values())] for f in batch]
-
-    def _run(self, tasks: list[Task]) -> list[dict]:
-        try:
-            if self.workers <= 1 or len(tasks) == 1:
-                return [_case_metrics(t) for t in tasks]
-            if self._pool is None:
-                self._pool = process_pool(self.workers)
-            return [f.result() for f in [self._pool.submit(_case_metrics, t) for t in tasks]]
-        except Exception as exc:
-            raise RuntimeError(f"fit: a simulation failed: {type(exc).__name__}: {exc}") from exc
-
-
-class Evaluator(Simulations):
-    """The measured runs simulated at given factors, each under its own scenario overrides, and
-    their residuals (log ratios simulated / measured)."""
-
-    def __init__(self, scenario: Scenario, prior: CalibrationFile | None, runs: list[MeasuredRun],
-                 workers: int, tmp: Path) -> None:
-        super().__init__(scenario, prior, [(r.overrides, r.configuration) for r in runs],
-                         workers, tmp)
-        self.runs = runs
-        self.targets = [((r.overrides, r.configuration), m, v)
-                        for r in runs for m, v in r.metrics.items()]
-        self.kinds = [r.kind for r in runs for _ in r.metrics]
-
-    def simulated(self, sims: dict[Case, dict]) -> list[float | None]:
-        return [_value(sims[case], metric, kind)
-                for (case, metric, _), kind in zip(self.targets, self.kinds)]
-
-    def residuals(self, sims: dict[Case, dict]) -> np.ndarray:
-        out = []
-        for (_, _, measured), s in zip(self.targets, self.simulated(sims)):
-            out.append(math.log(s / measured) if s else MISSING)
-        return np.array(out)
-
-
-def _value(metrics: dict, path: str, kind: str | None) -> float | None:
-    """A simulated metric; the busy share of one kind's server of a split is that of the
-    replicas of that role."""
-    if path == ITERATION_RATE:
-        return iteration_rate(metrics, kind)
-    if path == "utilization.busy" and kind is not None:
-        rows = [g["busy"] for g in metrics["utilization"].get("per_gpu", []) if g["role"] == kind]
-        if rows:
-            return sum(rows) / len(rows)
-    return _get(metrics, path)
-
-
-def default_calibration(scenario: Scenario) -> CalibrationFile:
-    """The roofline's defaults as a calibration (a scenario without one)."""
-    return CalibrationFile(
-        schema="orthrus.calibration/1", hardware=scenario.hardware, model=scenario.model,
-        coefficients=coefficients_model(Coefficients()),
-        source=SourceModel(description="roofline defaults (no profiling)", assumed=["all operators"]),
-        fit_error=FitErrorModel())
-
-
-def _factors(base: CostFactors, names: list[str], z: np.ndarray) -> CostFactors:
-    return replace(base, **{n: BY_NAME[n].from_z(float(v)) for n, v in zip(names, z)})
-
-
-def _steps(names: list[str], z: np.ndarray) -> np.ndarray:
-    """Forward steps, backward where a step would leave the bounds."""
-    out = np.full(len(names), STEP)
-    for i, n in enumerate(names):
-        if z[i] + STEP > BY_NAME[n].z_bounds[1]:
-            out[i] = -STEP
-    return out
-
-
-def _jacobian(ev: Evaluator, base: CostFactors, names: list[str], z: np.ndarray) -> np.ndarray:
-    steps = _steps(names, z)
-    points = [_factors(base, names, z)]
-    for i in range(len(names)):
-        zi = z.copy()
-        zi[i] += steps[i]
-        points.append(_factors(base, names, zi))
-    sims = ev.simulate(points)
-    r0 = ev.residuals(sims[0])
-    cols = [(ev.residuals(s) - r0) / steps[i] for i, s in enumerate(sims[1:])]
-    return np.column_stack(cols) if cols else np.zeros((len(r0), 0))
 
 
 def determined(jac: np.ndarray, names: list[str], limit: int) -> tuple[list[str], dict[str, float]]:
@@ -332,7 +140,7 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
             Evaluator(scenario, prior_cal, runs, workers, Path(tmp)) as ev:
         say(f"sensitivities at the prior ({len(free) + 1} simulations)")
         z_prior = np.array([BY_NAME[n].to_z(getattr(prior, n)) for n in free])
-        fitted, _ = determined(_jacobian(ev, prior, free, z_prior), free, len(ev.targets))
+        fitted, _ = determined(jacobian(ev, prior, free, z_prior), free, len(ev.targets))
         current, errors = prior, {}
         probed: set[str] = set()
         for _ in range(max_rounds):
@@ -371,8 +179,6 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
         misses = _misses(ev, current, spread)
         ends, candidates = [], []
         if ranges:
-            from orthrus_sim.ranges import profile
-
             say("each parameter moved as far as the measurements allow")
             ends, candidates = profile(ev, current, fitted, free, spread, say)
         cal = _output(ev, current, runs, params, resid_rows, rms, scenario,
@@ -445,7 +251,7 @@ def _rescue(ev: Evaluator, prior: CostFactors, current: CostFactors, fitted: lis
         for start in dict.fromkeys([getattr(current, name), *_probe_values(p, getattr(current, name))]):
             names = [*fitted, name]
             res = _least_squares(ev, replace(current, **{name: start}), names, max_nfev=8)
-            f = _factors(replace(current, **{name: start}), names, res.x)
+            f = factors_at(replace(current, **{name: start}), names, res.x)
             rms = _rms(ev, f)
             outcome = min(outcome, rms)
             if rms < best_rms - 1e-4:
@@ -461,7 +267,7 @@ def _rescue(ev: Evaluator, prior: CostFactors, current: CostFactors, fitted: lis
     for label, start in starts:
         say(f"missed inputs: restarting {', '.join(fitted)} {label}")
         res = _least_squares(ev, start, fitted, max_nfev=10)
-        f = _factors(start, fitted, res.x)
+        f = factors_at(start, fitted, res.x)
         rms = _rms(ev, f)
         tried.append(f"{', '.join(fitted)} restarted {label} (RMS {rms:.3f})")
         if rms < best_rms - 1e-4:
@@ -478,7 +284,7 @@ def _errors(ev: Evaluator, at: CostFactors, fitted: list[str],
     """The fitted parameters' standard errors (in z) at ``at``, for measurements whose
     spread is at least ``floor``."""
     z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
-    jac = _jacobian(ev, at, fitted, z)
+    jac = jacobian(ev, at, fitted, z)
     r = ev.residuals(ev.simulate([at])[0])
     return {n: float(e) for n, e in zip(fitted, standard_errors(jac, r, floor))}
 
@@ -493,8 +299,8 @@ def _pinned_fit(ev: Evaluator, prior: CostFactors, current: CostFactors, fitted:
         say(f"fitting {', '.join(fitted)}")
         base = replace(prior, **{n: getattr(current, n) for n in fitted})
         res = _least_squares(ev, base, fitted)
-        current = _factors(base, fitted, res.x)
-        jac = _jacobian(ev, current, fitted, res.x)
+        current = factors_at(base, fitted, res.x)
+        jac = jacobian(ev, current, fitted, res.x)
         pinning = {n: float(e) for n, e in zip(fitted, standard_errors(jac))}
         errors = {n: float(e) for n, e in zip(fitted, standard_errors(jac, res.fun))}
         worst = max(fitted, key=lambda n: pinning[n] / BY_NAME[n].tolerance)
@@ -551,8 +357,8 @@ def _least_squares(ev: Evaluator, base: CostFactors, names: list[str], max_nfev:
     lo = np.array([BY_NAME[n].z_bounds[0] for n in names])
     hi = np.array([BY_NAME[n].z_bounds[1] for n in names])
     return least_squares(
-        lambda z: ev.residuals(ev.simulate([_factors(base, names, z)])[0]), z0,
-        jac=lambda z: _jacobian(ev, base, names, z), bounds=(lo, hi), method="trf",
+        lambda z: ev.residuals(ev.simulate([factors_at(base, names, z)])[0]), z0,
+        jac=lambda z: jacobian(ev, base, names, z), bounds=(lo, hi), method="trf",
         x_scale=1.0, xtol=1e-4, ftol=1e-6, gtol=1e-8, max_nfev=max_nfev)
 
 

@@ -25,10 +25,10 @@ import numpy as np
 
 from orthrus_sim.costmodel.calibration import CalibrationFile, CandidateModel, RangeEndModel
 from orthrus_sim.costmodel.factors import CostFactors
+from orthrus_sim.evaluation import BY_NAME, Evaluator, Simulations, factors_at, jacobian, metric_value
 from orthrus_sim.experiment.measured import ITERATION_RATE
 from orthrus_sim.experiment.results import _get
 from orthrus_sim.experiment.scenario import Scenario
-from orthrus_sim.fit import BY_NAME, Evaluator, Simulations, _factors, _jacobian, _value
 
 Z = 2.0  # ends at a 2-sigma move of one parameter
 BISECT = 3  # halvings towards an undetermined parameter's farthest allowed value
@@ -82,7 +82,7 @@ def _linear_end(jac: np.ndarray, at: CostFactors, fitted: list[str], name: str, 
     d = np.insert(-coef * sign, i, sign)
     z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
     length, bound = _along(z, d, fitted, math.sqrt(budget) / norm if norm > 1e-12 else math.inf)
-    return _factors(at, fitted, z + length * d), bound
+    return factors_at(at, fitted, z + length * d), bound
 
 
 class _Trials:
@@ -104,7 +104,7 @@ class _Trials:
         second = []
         for f, r in zip(first, r1):
             dz = -np.linalg.lstsq(self.jac, r, rcond=None)[0]
-            second.append(_factors(f, self.fitted, np.clip(self.z + dz, lo, hi)))
+            second.append(factors_at(f, self.fitted, np.clip(self.z + dz, lo, hi)))
         r2 = [self.ev.residuals(s) for s in self.ev.simulate(second)]
         out = []
         for a, ra, b, rb in zip(first, r1, second, r2):
@@ -172,7 +172,7 @@ def _candidates(ev: Evaluator, point: dict) -> list[tuple[tuple, str, str | None
         for metric, kind in CANDIDATES:
             if (case, metric, kind) in measured or (kind is not None and kind not in roles):
                 continue
-            if _value(point[case], metric, kind):
+            if metric_value(point[case], metric, kind):
                 out.append((case, metric, kind))
     return out
 
@@ -183,7 +183,7 @@ def profile(ev: Evaluator, at: CostFactors, fitted: list[str], movable: list[str
     configurations, and the candidate measurements with their values at the fit."""
     budget = (Z * spread) ** 2
     z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
-    jac = _jacobian(ev, at, fitted, z) if fitted else np.zeros((len(ev.targets), 0))
+    jac = jacobian(ev, at, fitted, z) if fitted else np.zeros((len(ev.targets), 0))
     trials = _Trials(ev, at, fitted, jac)
     raw = {(n, s): _linear_end(jac, at, fitted, n, s, budget)
            for n in fitted if n in movable for s in ("low", "high")}
@@ -198,7 +198,7 @@ def profile(ev: Evaluator, at: CostFactors, fitted: list[str], movable: list[str
             f, bound = raw[k]
             growth = _ssr(ev.residuals(ev.simulate([f])[0])) - trials.ssr0
             zk = np.array([BY_NAME[n].to_z(getattr(f, n)) for n in fitted])
-            raw[k] = (_factors(at, fitted, z + (zk - z) * math.sqrt(budget / growth)), False)
+            raw[k] = (factors_at(at, fitted, z + (zk - z) * math.sqrt(budget / growth)), False)
         sims = ev.simulate([raw[k][0] for k in keys])
     point = ev.simulate([at])[0]
     cands = _candidates(ev, point)
@@ -208,9 +208,9 @@ def profile(ev: Evaluator, at: CostFactors, fitted: list[str], movable: list[str
         ends.append(RangeEndModel(
             parameter=k[0], side=k[1], factors=f.as_dict(),
             growth=max(0.0, _ssr(ev.residuals(s)) - trials.ssr0), at_bound=bound,
-            candidates=[_value(s[case], metric, kind) for case, metric, kind in cands]))
+            candidates=[metric_value(s[case], metric, kind) for case, metric, kind in cands]))
     return ends, [CandidateModel(configuration=case[1], at=list(case[0]), metric=metric, kind=kind,
-                                 value=_value(point[case], metric, kind))
+                                 value=metric_value(point[case], metric, kind))
                   for case, metric, kind in cands]
 
 

@@ -182,7 +182,8 @@ def test_bench_only_one_kind_repeated_and_pinned(live, tmp_path):
     try:
         res = CliRunner().invoke(app, ["bench", str(path), "--url", live, "--only", "embedding",
                                        "--repeat", "2", "--client-cpus", cpu, "--label",
-                                       "dedicated-1:1", "--out", str(tmp_path / "b")])
+                                       "dedicated-1:1", "--out", str(tmp_path / "b"),
+                                       "--set", "workload.generation_share=0.3"])
         assert os.sched_getaffinity(0) == {int(cpu)}
     finally:
         os.sched_setaffinity(0, before)
@@ -191,6 +192,13 @@ def test_bench_only_one_kind_repeated_and_pinned(live, tmp_path):
     assert [r["configuration"] for r in doc["runs"]] == ["dedicated-1:1"] * 2
     for run in doc["runs"]:
         assert run["metrics"]["completed"] == {"embedding": 12, "generation": 0}
+    # the runs carry what they were measured under, and a fit reads it back as its overrides
+    assert [r["scenario_overrides"] for r in doc["runs"]] == [["workload.generation_share=0.3"]] * 2
+    from orthrus_sim.experiment.measured import load_measured
+
+    runs = load_measured([tmp_path / "b" / "results.json"], ["throughput_rps.*"],
+                         at=[["cluster.gpus=2"]])
+    assert [r.overrides for r in runs] == [("workload.generation_share=0.3", "cluster.gpus=2")] * 2
     spread = doc["repeats"]["throughput_rps.embedding"]
     assert len(spread["values"]) == 2 and spread["cv"] is not None
     assert "run-to-run CV" in res.output

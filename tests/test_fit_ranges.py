@@ -42,7 +42,7 @@ def test_joint_fit_across_loads_recovers_truth_and_gives_ranges_that_hold_it(tmp
         "fit", str(tmp_path / "sc.yaml"), "--measured", str(light), "--at",
         "workload.pools.1.clients=2", "--measured", str(heavy), "--at",
         "workload.pools.1.clients=8", "--out", str(out), "--workers", "2", "--spread", "0.03",
-        "--format", "json"])
+        "--predict", "dedicated-1:1", "--format", "json"])
     assert res.exit_code == 0, res.output
     report = report_of(res.output)
     assert report["misfit"] is False and report["spread"] == 0.03
@@ -73,6 +73,18 @@ def test_joint_fit_across_loads_recovers_truth_and_gives_ranges_that_hold_it(tmp
     emb = rng["throughput_rps.embedding"]
     assert emb["low"] <= emb["point"] <= emb["high"]
     assert emb["low"] <= seen * 1.01 and emb["high"] >= seen * 0.99
+    res = CliRunner().invoke(app, ["predict", str(tmp_path / "fitted.yaml"), "--calibration",
+                                   str(out), "--configurations", "dedicated-1:1",
+                                   "--workers", "2", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    # fit --predict gave the same ranges as predict with the calibration it wrote
+    def numbers(ranges):
+        return {(r["configuration"], r["metric"]): (r["point"], r["low"], r["high"])
+                for r in ranges}
+    fitted, predicted = numbers(report["predictions"]["ranges"]), numbers(report_of(res.output)["ranges"])
+    assert fitted.keys() == predicted.keys() and fitted
+    for key, values in fitted.items():
+        assert values == pytest.approx(predicted[key], rel=1e-9), key
     table = CliRunner().invoke(app, ["predict", str(tmp_path / "fitted.yaml"), "--calibration",
                                      str(out), "--configurations", "dedicated-1:1",
                                      "--workers", "2"])
@@ -129,3 +141,9 @@ def test_fit_cli_rejects_a_bad_spread_and_at_count(tmp_path):
     assert res.exit_code != 0 and "--spread" in res.output
     res = CliRunner().invoke(app, base + ["--at", "-", "--at", "-"])
     assert res.exit_code != 0 and "--at" in res.output
+    # a configuration to predict that the scenario can't run fails before the fit
+    res = CliRunner().invoke(app, base + ["--predict", "dedicated-9:9"])
+    assert res.exit_code != 0 and "dedicated-9:9" in res.output and "--predict" in res.output
+    assert not (tmp_path / "c.json").exists()
+    res = CliRunner().invoke(app, base + ["--predict", " , "])
+    assert res.exit_code != 0 and "--predict" in res.output
