@@ -2,8 +2,9 @@
 
 Per seed it hides random cost factors (embedding_scale, decode_scale, embedding_overhead_s,
 overlap) in a calibration, simulates a Dedicated-1:1 split served by one mixed pool of clients
-at three mixes (what a deployment's dashboard shows: each kind's throughput and p50 latency),
-and then, knowing only those numbers:
+at three mixes (``--mixes``; what a deployment's dashboard shows: each kind's throughput and p50
+latency, or with ``--measure throughputs`` the throughputs alone, as a published table gives
+them), and then, knowing only those numbers:
 
 * fits them jointly (one fit, each run under its own ``workload.generation_share``) and checks
   every parameter the fit calls fitted against the truth (within 10 %; an overhead within 10 %
@@ -15,7 +16,8 @@ and then, knowing only those numbers:
 * takes the measurement the tool suggests for the widest range, "measures" it on the truth,
   fits again with it and reports how much the range narrowed.
 
-    python benchmarks/fit_ranges.py                  # 20 seeds, ~30-60 min on 2 cores
+    python benchmarks/fit_ranges.py                  # 20 seeds, ~10-20 min on 2 cores
+    python benchmarks/fit_ranges.py --measure throughputs   # the narrowing case
     python benchmarks/fit_ranges.py --seeds 3 --out out/fit-ranges
 """
 
@@ -58,8 +60,9 @@ PRIOR = ROOT / "calibration" / "cpu-2core-small.json"
 MIXES = (0.1, 0.5, 0.9)
 HIDDEN = ("embedding_scale", "decode_scale", "embedding_overhead_s", "overlap")
 FIXED = {"prefill_scale": 1.0, "generation_overhead_s": 0.0}  # not hidden: held at the truth
-SHOWN = ("throughput_rps.embedding", "throughput_rps.generation", "latency_s.embedding.p50",
-         "latency_s.generation.p50")
+THROUGHPUTS = ("throughput_rps.embedding", "throughput_rps.generation")
+SHOWN = THROUGHPUTS + ("latency_s.embedding.p50", "latency_s.generation.p50")
+MEASURED = {"all": SHOWN, "throughputs": THROUGHPUTS}  # --measure: what each mix shows
 CO_SERVED = "orthrus"
 CHECKED = ("throughput_rps.embedding", "throughput_rps.generation")
 
@@ -101,11 +104,12 @@ def measure(raw: dict, configuration: str, share: float) -> dict:
     return simulate(sc, configuration, keep_rows=False).metrics
 
 
-def measured_runs(raw_truth: dict) -> list[MeasuredRun]:
+def measured_runs(raw_truth: dict, mixes: tuple[float, ...] = MIXES,
+                  shown: tuple[str, ...] = SHOWN) -> list[MeasuredRun]:
     runs = []
-    for share in MIXES:
+    for share in mixes:
         metrics = run_metrics(measure(raw_truth, "dedicated-1:1", share), "truth")
-        runs.append(MeasuredRun("dedicated-1:1", {k: metrics[k] for k in SHOWN if k in metrics},
+        runs.append(MeasuredRun("dedicated-1:1", {k: metrics[k] for k in shown if k in metrics},
                                 "ground truth", None, (f"workload.generation_share={share}",)))
     return runs
 
@@ -126,11 +130,13 @@ def recovered(result, truth: dict[str, float]) -> dict[str, bool]:
     return out
 
 
-def error_band(sc, mid, runs, result, metric: str, workers: int, spread: float) -> float | None:
+def error_band(sc, mid, runs, result, metric: str, workers: int, spread: float,
+               noise: float = 0.0) -> float | None:
     """The co-served prediction's 2-sigma band (relative full width): the fitted parameters'
     covariance (the fit's Jacobian, the residuals' scatter or the stated spread, whichever is
-    larger) carried through the prediction's own finite differences. None unless every hidden
-    parameter was fitted."""
+    larger) carried through the prediction's own finite differences, and the prediction's
+    sampling spread ``noise`` (an sd of its log) beside it. None unless every hidden parameter
+    was fitted."""
     params = result.parameters
     if any(params[n]["status"] != "fitted" for n in HIDDEN):
         return None
@@ -153,13 +159,14 @@ def error_band(sc, mid, runs, result, metric: str, workers: int, spread: float) 
     if not values[0] or not all(values):
         return None
     grad = np.array([(math.log(v) - math.log(values[0])) / steps[i] for i, v in enumerate(values[1:])])
-    return 4 * math.sqrt(max(float(grad @ cov @ grad), 0.0))
+    return 4 * math.sqrt(max(float(grad @ cov @ grad), 0.0) + noise ** 2)
 
 
-def one_seed(seed: int, workers: int, work: Path, spread: float) -> dict:
+def one_seed(seed: int, workers: int, work: Path, spread: float,
+             mixes: tuple[float, ...] = MIXES, shown: tuple[str, ...] = SHOWN) -> dict:
     truth = hidden_truth(seed)
     raw_truth = scenario_raw(truth_file({**truth, **FIXED}, work / f"truth-{seed}.json"), seed)
-    runs = measured_runs(raw_truth)
+    runs = measured_runs(raw_truth, mixes, shown)
     sc = parse_scenario(scenario_raw(seed=seed))
     start = time.perf_counter()
     result = fit(sc, runs, workers, FIXED, spread=spread)
@@ -169,15 +176,16 @@ def one_seed(seed: int, workers: int, work: Path, spread: float) -> dict:
     ranges = [r for r in predict(mid, result.calibration, [CO_SERVED], workers) if r.metric in CHECKED]
     real = measure(raw_truth, CO_SERVED, 0.5)
     inside = {r.metric: r.low * 0.999 <= _get(real, r.metric) <= r.high * 1.001 for r in ranges}
-    widest = max(ranges, key=lambda r: r.width)
+    widest = max(ranges, key=lambda r: (r.parameter_width, r.width))
     row = {"seed": seed, "truth": truth, "fit_s": fit_s, "evaluations": result.evaluations,
            "status": {n: result.parameters[n]["status"] for n in HIDDEN},
            "fitted": {n: result.parameters[n]["value"] for n in HIDDEN},
            "standard_error": {n: result.parameters[n].get("standard_error") for n in HIDDEN},
            "recovered": recovered(result, truth), "misfit": bool(result.misses),
            "ranges": [r.as_dict() | {"truth": _get(real, r.metric)} for r in ranges],
-           "inside": inside, "widest": widest.metric, "width": widest.width}
-    band = error_band(sc, mid, runs, result, widest.metric, workers, spread)
+           "inside": inside, "widest": widest.metric, "width": widest.width,
+           "parameter_width": widest.parameter_width, "sampling_sd": widest.noise}
+    band = error_band(sc, mid, runs, result, widest.metric, workers, spread, widest.noise)
     row["band"] = band
     tips = suggest(widest, result.calibration)
     if tips and widest.width > 0:
@@ -192,13 +200,16 @@ def one_seed(seed: int, workers: int, work: Path, spread: float) -> dict:
                     if r.metric == widest.metric][0]
         row["suggested"] = tip.as_dict() | {"estimated_removal": tip.removes}
         row["narrowed_width"] = narrowed.width
+        row["narrowed_parameter_width"] = narrowed.parameter_width
         row["narrowed_inside"] = narrowed.low * 0.999 <= _get(real, widest.metric) <= narrowed.high * 1.001
     return row
 
 
-def report(rows: list[dict], console: Console) -> None:
-    table = Table(title="fit ranges against simulated ground truths (Dedicated-1:1 at 3 mixes, "
-                        "one mixed pool; predicting Orthrus at 0.5)")
+def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
+           measured: str = "all") -> None:
+    table = Table(title=f"fit ranges against simulated ground truths (Dedicated-1:1 at "
+                        f"{'/'.join(map(str, mixes))}, one mixed pool, {measured} measured; "
+                        f"predicting Orthrus at 0.5)")
     for col in ("seed", "truth e/d/oh/ov", "determined", "recovered", "inside", "widest", "width",
                 "2-sigma band", "suggested", "after", "fit s"):
         table.add_column(col, overflow="fold")
@@ -233,7 +244,19 @@ def report(rows: list[dict], console: Console) -> None:
         ratios = [r["width"] / r["band"] for r in pinned if r["band"]]
         console.print(f"all four pinned in {len(pinned)}/{n}: range / 2-sigma band "
                       f"median {np.median(ratios):.2f}, max {max(ratios):.2f}")
-    console.print(f"the suggested measurement narrowed the widest range by >= 50 %: {narrow_ok}/{n}")
+    cut = [1 - r["narrowed_width"] / r["width"] for r in rows
+           if "narrowed_width" in r and r["width"] > 0]
+    cut_p = [1 - r["narrowed_parameter_width"] / r["parameter_width"] for r in rows
+             if "narrowed_parameter_width" in r and r["parameter_width"] > 0]
+    console.print(f"the suggested measurement narrowed the widest range by >= 50 %: {narrow_ok}/{n}"
+                  + (f" (median {np.median(cut):.0%}; the truth still inside in "
+                     f"{sum(bool(r.get('narrowed_inside')) for r in rows)}/{len(cut)})" if cut else ""))
+    if cut_p:
+        console.print(f"its parameters' part (no sampling spread) by >= 50 %: "
+                      f"{sum(c >= 0.5 for c in cut_p)}/{len(cut_p)} (median {np.median(cut_p):.0%})")
+    widths = [r["width"] for r in rows]
+    console.print(f"widest range: median {np.median(widths):.1%}, max {max(widths):.1%}; "
+                  f"sampling sd median {np.median([r.get('sampling_sd', 0) for r in rows]):.1%}")
     console.print(f"fit time: median {np.median([r['fit_s'] for r in rows]):.0f} s, "
                   f"simulations median {np.median([r['evaluations'] for r in rows]):.0f}")
 
@@ -244,16 +267,28 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=1)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--spread", type=float, default=0.03, help="the measurements' stated spread")
+    ap.add_argument("--mixes", default=",".join(map(str, MIXES)), help="the generation shares "
+                    "the split is measured at (one: the coupled case, where ranges are wide)")
+    ap.add_argument("--measure", choices=tuple(MEASURED), default="all",
+                    help="what each mix shows: each kind's throughput and p50 latency (all), or "
+                    "the throughputs alone (a published table: ranges the parameters leave wide)")
     ap.add_argument("--out", type=Path, default=None, help="folder for fit_ranges.json")
     args = ap.parse_args()
+    try:
+        mixes = tuple(float(m) for m in args.mixes.split(",") if m)
+    except ValueError:
+        ap.error(f"--mixes: expected generation shares such as 0.1,0.5,0.9, got {args.mixes!r}")
+    if not mixes or not all(0 < m < 1 for m in mixes):
+        ap.error(f"--mixes: each share must lie in (0, 1), got {args.mixes!r}")
     console = Console()
     rows = []
     with tempfile.TemporaryDirectory() as tmp, Progress(console=console, transient=True) as bar:
         task = bar.add_task("seeds", total=args.seeds)
         for seed in range(args.first, args.first + args.seeds):
-            rows.append(one_seed(seed, args.workers, Path(tmp), args.spread))
+            rows.append(one_seed(seed, args.workers, Path(tmp), args.spread, mixes,
+                                 MEASURED[args.measure]))
             bar.update(task, advance=1)
-    report(rows, console)
+    report(rows, console, mixes, args.measure)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "fit_ranges.json").write_text(json.dumps(rows, indent=2, default=str))

@@ -277,8 +277,13 @@ def _predictions(sc, cal, configs: list[str], workers: int) -> tuple[list, list]
 
     with console.status("predicting ..."):
         ranges = run_predict(sc, cal, configs, workers or os.cpu_count() or 1)
-    widest = max(ranges, key=lambda r: r.width, default=None)
+    widest = _widest(ranges)
     return ranges, (suggest(widest, cal) if widest else [])
+
+
+def _widest(ranges: list):
+    """The range whose parameters' part is widest (what a measurement can narrow)."""
+    return max(ranges, key=lambda r: (r.parameter_width, r.width), default=None)
 
 
 def _predictions_doc(ranges: list, nexts: list) -> dict:
@@ -287,18 +292,22 @@ def _predictions_doc(ranges: list, nexts: list) -> dict:
 
 def _print_predictions(name: str, source: str, cal, ranges: list, nexts: list) -> None:
     table = Table(title=f"{name}: predictions with ranges ({escape(source)})")
-    for col in ("configuration", "metric", "point", "low", "high", "low end", "high end"):
+    for col in ("configuration", "metric", "point", "low", "high", "low end", "high end",
+                "sampling sd"):
         table.add_column(col, overflow="fold")
     for r in ranges:
         table.add_row(r.configuration, r.metric, f"{r.point:.4g}", f"{r.low:.4g}",
-                      f"{r.high:.4g}", r.low_end or "-", r.high_end or "-")
+                      f"{r.high:.4g}", r.low_end or "-", r.high_end or "-", f"{r.noise:.1%}")
+    table.caption = ("low/high: the parameters' extremes (the end that gives each) widened by "
+                     "2 sampling sd (the point under other seeds), in quadrature")
     if not (cal.factor_fit and cal.factor_fit.range_ends):
-        table.caption = "this calibration has no fitted ranges: points only"
+        table.caption = "this calibration has no fitted ranges: the sampling spread only"
     console.print(table)
-    widest = max(ranges, key=lambda r: r.width, default=None)
+    widest = _widest(ranges)
     for s in nexts:
         where = f" at {'; '.join(s.at)}" if s.at else ""
-        console.print(f"measure next: {s.configuration}{where} {s.metric} (would remove "
+        of = f" of its {s.kind} servers (bench --only {s.kind})" if s.kind else ""
+        console.print(f"measure next: {s.configuration}{where} {s.metric}{of} (would remove "
                       f"~{s.removes:.0%} of the {widest.configuration} {widest.metric} range)",
                       highlight=False, markup=False)
 

@@ -200,7 +200,10 @@ def default_calibration(scenario: Scenario) -> CalibrationFile:
 
 
 def factors_at(base: CostFactors, names: list[str], z: np.ndarray) -> CostFactors:
-    return replace(base, **{n: BY_NAME[n].from_z(float(v)) for n, v in zip(names, z)})
+    """``base`` with ``names`` set from their z values, each clipped to its bounds (a step
+    that ends on a bound can land a rounding error beyond it)."""
+    return replace(base, **{n: min(max(BY_NAME[n].from_z(float(v)), BY_NAME[n].low),
+                                   BY_NAME[n].high) for n, v in zip(names, z)})
 
 
 def difference_steps(names: list[str], z: np.ndarray) -> np.ndarray:

@@ -31,6 +31,7 @@ from orthrus_sim.experiment.results import _get
 from orthrus_sim.experiment.scenario import Scenario
 
 Z = 2.0  # ends at a 2-sigma move of one parameter
+SEEDS = 4  # other seeds each predicted configuration runs with: the prediction's sampling spread
 BISECT = 3  # halvings towards an undetermined parameter's farthest allowed value
 SHRINK = 1.5  # a simulated end this far above the allowed growth is pulled in once
 
@@ -227,30 +228,53 @@ class Range:
     low_end: str | None  # "parameter low|high" that gives the low extreme (None: the point)
     high_end: str | None
     values: list[float | None] = field(default_factory=list)  # at each end, in the fit's order
+    noise: float = 0.0  # the point's sampling spread: sd of its log over other seeds
 
     @property
     def width(self) -> float:
         """The range's width relative to the point."""
         return (self.high - self.low) / self.point if self.point else math.inf
 
+    @property
+    def parameter_width(self) -> float:
+        """The width of the parameters' extremes alone (no sampling spread) relative to the
+        point: what a further measurement can narrow."""
+        values = [self.point] + [v for v in self.values if v is not None]
+        return (max(values) - min(values)) / self.point if self.point else math.inf
+
     def as_dict(self) -> dict:
         return {"configuration": self.configuration, "metric": self.metric, "point": self.point,
                 "low": self.low, "high": self.high, "low_end": self.low_end,
-                "high_end": self.high_end, "relative_width": self.width}
+                "high_end": self.high_end, "relative_width": self.width,
+                "parameter_width": self.parameter_width, "sampling_sd": self.noise}
 
 
 def predict(scenario: Scenario, calibration: CalibrationFile, configurations: list[str],
-            workers: int = 1, metrics: tuple[str, ...] = PREDICTED) -> list[Range]:
+            workers: int = 1, metrics: tuple[str, ...] = PREDICTED,
+            seeds: int = SEEDS) -> list[Range]:
     """Each configuration simulated at the calibration's factors and at every end of its fit's
     parameter ranges; per metric the point and the extremes (a calibration without a fit's
-    ranges gives points only)."""
+    ranges gives points only).
+
+    A prediction is also one sample: other requests, another interleaving, a closed loop's
+    completions counted in a finite window. So the point is simulated again under ``seeds``
+    other seeds; the spread of its log there (``noise``, an sd) widens each side of the range,
+    added in quadrature to the parameters' move at ``Z`` sigma (the two are independent). A
+    measurement of the same window is such a sample too: a range without it covers the
+    parameters' uncertainty and not the run's."""
     ends = calibration.factor_fit.range_ends if calibration.factor_fit else []
     point = calibration.cost_factors() or CostFactors()
     batch = [point] + [CostFactors(**e.factors) for e in ends]
     cases = [((), c) for c in configurations]
-    with tempfile.TemporaryDirectory(prefix="orthrus-predict-") as tmp, \
-            Simulations(scenario, calibration, cases, workers, Path(tmp)) as sims:
-        docs = sims.simulate(batch)
+    others = [((f"seed={scenario.seed + i}",), c) for c in configurations
+              for i in range(1, seeds + 1)]
+    with tempfile.TemporaryDirectory(prefix="orthrus-predict-") as tmp:
+        with Simulations(scenario, calibration, cases, workers, Path(tmp)) as sims:
+            docs = sims.simulate(batch)
+        again = {}
+        if others:
+            with Simulations(scenario, calibration, others, workers, Path(tmp)) as sims:
+                again = sims.simulate([point])[0]
     out = []
     for case in cases:
         for metric in metrics:
@@ -266,8 +290,28 @@ def predict(scenario: Scenario, calibration: CalibrationFile, configurations: li
                     low, low_end = v, f"{e.parameter} {e.side}"
                 if v > high:
                     high, high_end = v, f"{e.parameter} {e.side}"
-            out.append(Range(case[1], metric, at, low, high, low_end, high_end, values))
+            samples = [at] + [_get(again[o], metric) for o in others if o[1] == case[1]]
+            noise = _log_sd([v for v in samples if v])
+            low, high = _widened(at, low, high, noise)
+            out.append(Range(case[1], metric, at, low, high, low_end, high_end, values, noise))
     return out
+
+
+def _widened(point: float, low: float, high: float, noise: float) -> tuple[float, float]:
+    """The parameters' extremes with the sampling spread added in quadrature on each side."""
+    if not noise or point <= 0:
+        return low, high
+    return (point * math.exp(-math.hypot(math.log(point / low), Z * noise)),
+            point * math.exp(math.hypot(math.log(high / point), Z * noise)))
+
+
+def _log_sd(values: list[float]) -> float:
+    """The sample standard deviation of the values' logs (0 for fewer than two)."""
+    if len(values) < 2:
+        return 0.0
+    logs = [math.log(v) for v in values]
+    mean = sum(logs) / len(logs)
+    return math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
 
 
 @dataclass
@@ -290,7 +334,8 @@ def suggest(widest: Range, calibration: CalibrationFile, top: int = 3) -> list[S
     """The candidate measurements ranked by how much of ``widest`` each would remove, were it
     measured at the fit's simulated value: at every end, the new metric's log distance from
     that value adds to the misfit growth, and the end moves back along its path until the
-    growth is within the budget again (growth taken as quadratic along the path)."""
+    growth is within the budget again (growth taken as quadratic along the path); the
+    prediction's sampling spread is added back as ``predict`` adds it."""
     fit_doc = calibration.factor_fit
     if fit_doc is None or not fit_doc.range_ends or widest.high <= widest.low:
         return []
@@ -308,7 +353,8 @@ def suggest(widest: Range, calibration: CalibrationFile, top: int = 3) -> list[S
             moved = widest.point + t * (v - widest.point)
             lows.append(moved)
             highs.append(moved)
-        width = max(highs) - min(lows)
+        low, high = _widened(widest.point, min(lows), max(highs), widest.noise)
+        width = high - low  # what no measurement of the fit removes stays: the sampling spread
         out.append(Suggestion(cand.configuration, cand.at, cand.metric, cand.kind, cand.value,
                               1 - width / (widest.high - widest.low)))
     out.sort(key=lambda s: -s.removes)

@@ -60,6 +60,7 @@ from orthrus_sim.experiment.results import results_doc, write_json
 from orthrus_sim.experiment.scenario import parse_scenario, read_scenario, scenario_dump
 from orthrus_sim.fit import fit
 from orthrus_sim.machine import this_machine
+from orthrus_sim.ranges import predict
 from orthrus_sim.sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,6 +215,54 @@ def stored(servers: list[tuple]) -> list[dict]:
     return got
 
 
+def _nested(rows: list[tuple[str, float]]) -> dict:
+    """Dotted metric paths and values as a results file's nested ``metrics``."""
+    out: dict = {}
+    for path, value in rows:
+        node = out
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return out
+
+
+def unpack_summary(path: Path, out: Path) -> None:
+    """An earlier run's stored summary (docs/fidelity/*.json) as the servers' results files
+    ``--refit`` reads: each baseline run's measured metrics from its fit's residual rows (one
+    run per bench: each starts at its throughput), each treatment's measured means and their
+    spread. So a fit can be redone, with the current code and the same prior, on what was
+    measured then (the ranges of a table measured before they existed)."""
+    stored = json.loads(path.read_text())
+    for r in stored["mixes"]:
+        base = out / r["mix"].replace(":", "-")
+        runs: dict[str, list[list[tuple[str, float]]]] = {}
+        for row in r["fit_residuals"]:
+            metric = row["metric"]
+            if metric.startswith("throughput_rps."):
+                runs.setdefault(metric.split(".")[1], []).append([])
+            if not runs:
+                raise SystemExit(f"--from-summary {path}: mix {r['mix']}: a fitted metric "
+                                 f"before any throughput ({metric}); cannot tell its server")
+            list(runs.values())[-1][-1].append((metric, row["measured"]))
+        for kind, benches in runs.items():
+            folder = base / f"dedicated-{kind}"
+            folder.mkdir(parents=True, exist_ok=True)
+            doc = {"schema": "orthrus.results/1", "runs": [
+                {"configuration": "dedicated-1:1", "metrics": _nested(b)} for b in benches],
+                "repeats": r["spread"].get(f"dedicated {kind}", {})}
+            write_json(doc, folder / "results.json")
+        for cfg in {x["configuration"] for x in r["predicted"]}:
+            rows = [(x["metric"], x["measured"]) for x in r["predicted"]
+                    if x["configuration"] == cfg and x["measured"] is not None]
+            metrics = _nested(rows) | {"completed": r["completed"].get(cfg, {})}
+            folder = base / cfg.replace(":", "_")
+            folder.mkdir(parents=True, exist_ok=True)
+            write_json({"schema": "orthrus.results/1", "repeats": r["spread"].get(cfg, {}),
+                        "runs": [{"configuration": cfg, "metrics": metrics}]},
+                       folder / "results.json")
+
+
 def one_mix(args, mix: str, share: float, console: Console) -> dict:
     base = args.out / mix.replace(":", "-")
     if base.exists() and not args.refit:
@@ -264,6 +313,9 @@ def one_mix(args, mix: str, share: float, console: Console) -> dict:
                           "metrics": simulate(parse_scenario(served, "prediction"), cfg).metrics})
         prior.append({"configuration": cfg,
                       "metrics": simulate(parse_scenario(treatment, "prior"), cfg).metrics})
+    # the range the fit's evidence allows for each predicted metric (docs/fitting.md)
+    ranges = predict(parse_scenario(served, "prediction"), result.calibration,
+                     list(args.configurations), args.workers, tuple(m for m, _ in COMPARED))
     if measured is None:
         measured = measure(args, treatment_servers(served), console, mix)
     for cfg, one in zip(args.configurations, measured):
@@ -274,7 +326,7 @@ def one_mix(args, mix: str, share: float, console: Console) -> dict:
             "fit": {k: {kk: vv for kk, vv in v.items() if kk != "bounds"}
                     for k, v in result.parameters.items()},
             "fit_residuals": result.residuals, "predicted": compare(predicted, measured),
-            "prior": compare(prior, measured),
+            "prior": compare(prior, measured), "ranges": [x.as_dict() for x in ranges],
             "completed": {x["configuration"]: completions(x["metrics"]) for x in measured},
             "completed_predicted": {x["configuration"]: completions(x["metrics"])
                                     for x in predicted}}
@@ -333,7 +385,8 @@ def completions(metrics: dict) -> dict:
 
 # what a stored run was measured with: ``--tables-only`` writes its tables with these
 RUN_ARGUMENTS = ("duration", "warmup", "clients", "repeat", "target_factor", "engine_cpus",
-                 "client_cpus", "min_completions", "calibration", "fit_metrics", "refit", "dtype")
+                 "client_cpus", "min_completions", "calibration", "fit_metrics", "refit", "dtype",
+                 "from_summary")
 
 
 def _profiled_in_run(cal: str) -> bool:
@@ -370,7 +423,15 @@ def _fit_arguments(args) -> str:
     """The fit's options where they are not the default (an earlier run's summary may lack them)."""
     metrics = getattr(args, "fit_metrics", None) or FIT_METRICS
     text = "" if list(metrics) == FIT_METRICS else f" --fit-metrics '{','.join(metrics)}'"
-    return text + (" --refit" if getattr(args, "refit", False) else "")
+    text += " --refit" if getattr(args, "refit", False) else ""
+    source = getattr(args, "from_summary", None)
+    if source:
+        try:
+            source = Path(source).resolve().relative_to(ROOT)
+        except ValueError:
+            pass
+        text += f" --from-summary {source}"
+    return text
 
 
 def table_lines(results: list[dict], args, wall: float) -> list[str]:
@@ -397,6 +458,7 @@ def table_lines(results: list[dict], args, wall: float) -> list[str]:
             "TPOT p50"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     met = total = few = 0
+    judged = set()  # (mix, configuration, metric) of the cells counted
     for r in results:
         for cfg in args.configurations:
             cells = []
@@ -417,6 +479,7 @@ def table_lines(results: list[dict], args, wall: float) -> list[str]:
                     continue
                 text = f"{err:+.1%}"
                 total += 1
+                judged.add((r["mix"], cfg, metric))
                 if abs(err) > TARGETS[target]:
                     text = f"**{text}**"
                 else:
@@ -447,6 +510,7 @@ def table_lines(results: list[dict], args, wall: float) -> list[str]:
             for server, sp in r["spread"].items():
                 lines.append(f"* {r['mix']} {server}: " + ", ".join(
                     f"{k} {v['cv']:.1%}" for k, v in sp.items() if v["cv"] is not None))
+    lines += range_lines(results, args, judged)
     lines += iteration_lines(results)
     lines += ["", "Fitted factors per mix (status: fitted, or undetermined: left at the prior):", "",
               "| mix | " + " | ".join(results[0]["fit"]) + " |", "|" + "---|" * (len(results[0]["fit"]) + 1)]
@@ -455,6 +519,59 @@ def table_lines(results: list[dict], args, wall: float) -> list[str]:
             f"{v['value']:.3g} ({v['status']})" for v in r["fit"].values()) + " |")
     lines += ["", END]
     return lines
+
+
+def range_lines(results: list[dict], args, judged: set[tuple[str, str, str]]) -> list[str]:
+    """Each cell's predicted range (`orthrus-sim predict` on the fit: every parameter moved as
+    far as the baselines allow) as its ends' errors against the measurement; **bold** where the
+    measurement lies outside."""
+    if not any(r.get("ranges") for r in results):
+        return []
+    head = ["mix", "configuration"] + [m.replace("throughput_rps.", "").replace("latency_s.", "")
+                                       for m, _ in COMPARED]
+    lines = ["", "Predicted ranges (the fit's parameters moved as far as the baselines allow, "
+             "`orthrus-sim predict`): each end's (predicted - measured) / measured; **bold** "
+             "where the measurement lies outside its range:", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    inside = counted = near = 0
+    for r in results:
+        ranges = {(x["configuration"], x["metric"]): x for x in r.get("ranges") or []}
+        measured = {(x["configuration"], x["metric"]): x["measured"] for x in r["predicted"]}
+        for cfg in args.configurations:
+            cells = []
+            for metric, _ in COMPARED:
+                rng, seen = ranges.get((cfg, metric)), measured.get((cfg, metric))
+                if rng is None or not seen:
+                    cells.append("-")
+                    continue
+                low, high = rng["low"] / seen - 1, rng["high"] / seen - 1
+                ok = low <= 1e-3 and high >= -1e-3
+                text = f"{low:+.0%}..{high:+.0%}"
+                if (r["mix"], cfg, metric) in judged:
+                    counted += 1
+                    inside += ok
+                    near += ok or _within_spread(low, high, (r.get("spread") or {}).get(cfg, {})
+                                                 .get(metric))
+                else:
+                    text = f"({text})"
+                cells.append(text if ok else f"**{text}**")
+            lines.append(f"| {r['mix']} | {cfg} | " + " | ".join(cells) + " |")
+    lines += ["", f"{inside} of {counted} judged cells lie inside their predicted range (cells "
+              "in brackets are not judged, as above); "
+              f"{near} of {counted} reach their range within two standard errors of the "
+              "measured mean (the run-to-run spread over the repeats). The range carries the fit's "
+              "uncertainty and the prediction's own sampling spread, not the measured run's."]
+    return lines
+
+
+def _within_spread(low: float, high: float, spread_of: dict | None) -> bool:
+    """A measurement outside its range by no more than two standard errors of its mean (the
+    cell's run-to-run CV over the square root of its repeats)."""
+    if not spread_of or spread_of.get("cv") is None:
+        return False
+    n = max(len(spread_of.get("values") or []), 1)
+    margin = 2 * spread_of["cv"] / n ** 0.5
+    return low <= margin and high >= -margin
 
 
 ITERATION_KINDS = ("decode", "prefill+decode", "embedding", "embedding+decode",
@@ -549,6 +666,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--refit", action="store_true", help="measure nothing: fit again on the "
                         "servers' results.json an earlier run left in OUT (with this run's "
                         "--fit-metrics, --calibration: the prior it used) and predict again")
+    parser.add_argument("--from-summary", type=Path, default=None, help="with --refit: the "
+                        "measurements of an earlier run's stored summary (docs/fidelity/*.json) "
+                        "instead of OUT's results files; its iteration tables are kept")
     return parser
 
 
@@ -562,6 +682,14 @@ def main() -> None:
                          "run's fitted calibration, which a refit would not match")
     if args.refit and not args.calibration:
         raise SystemExit("--refit needs --calibration: the prior the earlier run fitted on")
+    if args.from_summary and not args.refit:
+        raise SystemExit("--from-summary goes with --refit (it measures nothing)")
+    if args.from_summary and args.from_summary.exists():  # measured with the stored arguments
+        kept = json.loads(args.from_summary.read_text()).get("arguments", {})
+        for name in ("duration", "warmup", "clients", "repeat", "engine_cpus", "client_cpus",
+                     "min_completions", "dtype", "fit_metrics"):
+            if kept.get(name) is not None:
+                setattr(args, name, kept[name])
     console = Console()
     if not (args.model / "config.json").exists():
         subprocess.run([sys.executable, "-m", "orthrus_real.cli", "init-model", str(args.model),
@@ -578,16 +706,26 @@ def main() -> None:
     else:
         args.calibration = prior_calibration(args, console)
         started = time.time()
+        if args.from_summary:  # the stored run's measurements, as the servers' results files
+            if not args.from_summary.exists():
+                raise SystemExit(f"--from-summary: {args.from_summary} does not exist")
+            unpack_summary(args.from_summary, args.out)
+            summary.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(args.from_summary, summary)
         earlier = json.loads(summary.read_text()) if args.refit and summary.exists() else {}
         results = []
         for mix in args.mixes.split(","):
             if mix not in MIXES:
                 raise SystemExit(f"--mixes: unknown mix {mix!r}; known: {', '.join(MIXES)}")
             results.append(one_mix(args, mix, MIXES[mix], console))
+            if args.from_summary:  # its servers' iterations are not stored: the run's tables
+                kept = {m["mix"]: m for m in earlier.get("mixes", [])}.get(mix, {})
+                results[-1]["iterations"] = kept.get("iterations", [])
+                results[-1]["speed"] = kept.get("speed", {})
         wall = earlier.get("wall_s", time.time() - started)  # a refit: the measuring run's
         args.out.mkdir(parents=True, exist_ok=True)
         summary.write_text(json.dumps({"mixes": results, "wall_s": wall, "arguments": {
-            name: getattr(args, name) for name in RUN_ARGUMENTS}}, indent=2) + "\n")
+            name: getattr(args, name) for name in RUN_ARGUMENTS}}, indent=2, default=str) + "\n")
     lines = table_lines(results, args, wall)
     (args.out / f"table-{args.backend}.md").write_text("\n".join(lines) + "\n")
     console.print("\n".join(lines), markup=False, highlight=False)

@@ -339,6 +339,84 @@ def test_fit_validation_tables_and_docs_section(tmp_path, monkeypatch):
     assert out.count("(torch)") == 1 and out.count("(vllm)") == 1
 
 
+def test_fit_validation_ranges_say_which_measurements_fall_outside():
+    pytest.importorskip("torch")
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("fit_validation", ROOT / "scripts" / "fit_validation.py")
+    fv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fv)
+    rows = [{"configuration": "orthrus", "metric": m, "simulated": 1.1, "measured": 1.0,
+             "relative_error": 0.05} for m, _ in fv.COMPARED]
+    # the embedding throughput's range holds the measurement, the generation throughput's not
+    ranges = [{"configuration": "orthrus", "metric": "throughput_rps.embedding", "point": 1.05,
+               "low": 0.96, "high": 1.12},
+              {"configuration": "orthrus", "metric": "throughput_rps.generation", "point": 1.05,
+               "low": 1.02, "high": 1.10}]
+    results = [{"mix": "5:5", "fit": {"overlap": {"value": 1.0, "status": "undetermined"}},
+                "predicted": rows, "prior": rows, "ranges": ranges,
+                "completed": {"orthrus": {"embedding": 40.0, "generation": 30.0}}}]
+    args = SimpleNamespace(backend="torch", duration=20.0, warmup=4.0, clients=8, repeat=1,
+                           configurations=["orthrus"], engine_cpus="1", client_cpus="0",
+                           target_factor=0.0, min_completions=20)
+    text = "\n".join(fv.table_lines(results, args, 1.0))
+    assert "| 5:5 | orthrus | -4%..+12% | **+2%..+10%** | - | - | - | - |" in text
+    assert "1 of 2 judged cells lie inside their predicted range" in text
+    assert "1 of 2 reach their range within two standard errors" in text  # no spread stored: strict
+    # 2 % outside, with a 3 % run-to-run CV over 2 repeats (2 standard errors: 4.2 %): near
+    spread_ = {"orthrus": {"throughput_rps.generation": {"values": [1.0, 1.0], "cv": 0.03}}}
+    text = "\n".join(fv.table_lines([{**results[0], "spread": spread_}], args, 1.0))
+    assert "1 of 2 judged cells lie inside" in text
+    assert "2 of 2 reach their range within two standard errors" in text
+    spread_ = {"orthrus": {"throughput_rps.generation": {"values": [1.0, 1.0], "cv": 0.01}}}
+    text = "\n".join(fv.table_lines([{**results[0], "spread": spread_}], args, 1.0))
+    assert "1 of 2 reach their range within two standard errors" in text
+    # a cell too small to judge is shown in brackets and not counted
+    few = [{**results[0], "completed": {"orthrus": {"embedding": 40.0, "generation": 5.0}}}]
+    text = "\n".join(fv.table_lines(few, args, 1.0))
+    assert "**(+2%..+10%)**" in text and "1 of 1 judged cells lie inside" in text
+    # a run stored before ranges existed writes its tables without them
+    assert "Predicted ranges" not in "\n".join(
+        fv.table_lines([{k: v for k, v in results[0].items() if k != "ranges"}], args, 1.0))
+
+
+def test_fit_validation_refits_a_stored_summary_with_the_same_measurements(tmp_path):
+    """--refit --from-summary: a table's stored run unpacked into the servers' results files
+    gives the fit every bench it had (one run per bench, each server's kind) and the treatment's
+    measured means, so the refit compares with the same measurements."""
+    pytest.importorskip("torch")
+    import importlib.util
+
+    from orthrus_sim.experiment.measured import load_measured
+
+    spec = importlib.util.spec_from_file_location("fit_validation", ROOT / "scripts" / "fit_validation.py")
+    fv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fv)
+    source = ROOT / "docs" / "fidelity" / "fit-validation-torch-2026-12-02.json"
+    stored = json.loads(source.read_text())
+    fv.unpack_summary(source, tmp_path)
+    for mix in stored["mixes"]:
+        base = tmp_path / mix["mix"].replace(":", "-")
+        runs = load_measured([base / "dedicated-embedding" / "results.json",
+                              base / "dedicated-generation" / "results.json"], fv.FIT_METRICS)
+        assert [r.kind for r in runs] == ["embedding"] * 2 + ["generation"] * 2  # --repeat 2
+        got = [(r.configuration, m, v) for r in runs for m, v in r.metrics.items()]
+        assert got == [(x["configuration"], x["metric"], x["measured"]) for x in mix["fit_residuals"]]
+        stored_mean = {x["metric"]: x["measured"] for x in mix["predicted"]
+                       if x["configuration"] == "orthrus" and x["measured"] is not None}
+        doc = fv.stored([("unified", None, "orthrus", base / "orthrus", "orthrus")])[0]
+        assert doc["metrics"]["throughput_rps"]["embedding"] == stored_mean["throughput_rps.embedding"]
+        assert fv.completions(doc["metrics"]) == {k: mix["completed"]["orthrus"].get(k)
+                                                  for k in ("embedding", "generation")}
+        assert doc["spread"] == mix["spread"]["orthrus"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"mixes": [{**stored["mixes"][0], "fit_residuals": [
+        {"configuration": "dedicated-1:1", "metric": "utilization.busy", "measured": 1.0}]}]}))
+    with pytest.raises(SystemExit, match="before any throughput"):
+        fv.unpack_summary(bad, tmp_path / "bad")
+
+
 def test_fit_validation_measures_in_rounds(tmp_path, monkeypatch):
     """--repeat N benches every server once per round (each started afresh), so a slow minute
     of the machine falls on one run of one server; each server's results hold all its runs."""

@@ -147,3 +147,45 @@ def test_fit_cli_rejects_a_bad_spread_and_at_count(tmp_path):
     assert not (tmp_path / "c.json").exists()
     res = CliRunner().invoke(app, base + ["--predict", " , "])
     assert res.exit_code != 0 and "--predict" in res.output
+
+
+def test_a_prediction_range_carries_its_own_sampling_spread(tmp_path):
+    """A prediction is one sample of a finite window: the point under other seeds spreads, and
+    that spread widens the range on both sides (in quadrature with the parameters' extremes),
+    even for a calibration with no fitted ranges, and never narrows a parameter's extreme."""
+    from orthrus_sim.ranges import Range, _widened, predict
+
+    cal_path = with_factors(tmp_path, embedding_scale=1.2)
+    sc = parse_scenario(scenario_raw(cal_path))
+    cal = load_calibration(cal_path)
+    plain = predict(sc, cal, ["dedicated-1:1"], 2, ("throughput_rps.embedding",
+                                                  "latency_s.embedding.p50"), seeds=0)
+    sampled = predict(sc, cal, ["dedicated-1:1"], 2, ("throughput_rps.embedding",
+                                                    "latency_s.embedding.p50"), seeds=3)
+    for p, s in zip(plain, sampled):
+        assert p.low == p.point == p.high and p.noise == 0.0  # no ends, no seeds: a point
+        assert s.point == p.point  # the point is still the scenario's own seed
+        assert s.noise > 0 and s.low < s.point < s.high, s.metric
+        assert s.high / s.point == pytest.approx(s.point / s.low)  # no ends: symmetric in log
+    low, high = _widened(10.0, 9.0, 10.5, 0.02)
+    assert low < 9.0 and high > 10.5
+    assert _widened(10.0, 9.0, 10.5, 0.0) == (9.0, 10.5)
+    r = Range("orthrus", "throughput_rps.embedding", 10.0, 8.0, 12.0, None, None, [9.5, 10.2], 0.05)
+    assert r.parameter_width == pytest.approx(0.07) and r.width == pytest.approx(0.4)
+
+
+def test_a_range_end_on_a_bound_stays_inside_it():
+    """A step that ends on a bound may land a rounding error past it (seen: overlap -1.4e-17
+    when a refit's range end ran to overlap's lower bound); the factors are clipped, not
+    rejected."""
+    import numpy as np
+
+    from orthrus_sim.costmodel.factors import CostFactors
+    from orthrus_sim.evaluation import BY_NAME, factors_at
+
+    at = factors_at(CostFactors(), ["overlap", "embedding_scale"],
+                    np.array([-1.3877787807814457e-17, BY_NAME["embedding_scale"].z_bounds[1] + 1e-15]))
+    assert at.overlap == 0.0
+    assert at.embedding_scale == BY_NAME["embedding_scale"].high
+    inside = factors_at(CostFactors(), ["overlap"], np.array([0.4]))
+    assert inside.overlap == pytest.approx(0.4)
