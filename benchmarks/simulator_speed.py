@@ -30,11 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+# statistics and subprocess are imported where used: the timed child process (``child``)
+# should pay for Orthrus's imports, not the harness's
 
 TARGETS = {"lean": 20.0, "default": 30.0}  # x Vidur, whole processes
 LINEAR_TARGET = 4.2  # 4 replicas (4x the requests) over 1 replica, Orthrus's simulate time
@@ -86,6 +87,8 @@ def child_env(**extra: str) -> dict:
 
 
 def run_vidur(src: Path, python: str, replicas: int, work: Path, lean: bool) -> dict:
+    import subprocess
+
     env = child_env(WANDB_MODE="disabled", PYTHONPATH=str(src))
     start = time.perf_counter()
     proc = subprocess.run([python, "bench.py", *vidur_args(replicas, work, lean)], cwd=src,
@@ -102,6 +105,8 @@ def run_vidur(src: Path, python: str, replicas: int, work: Path, lean: bool) -> 
 
 def run_orthrus(replicas: int, fast: bool) -> dict:
     """One whole Orthrus process (this script with ``--child``), timed from outside."""
+    import subprocess
+
     cmd = [sys.executable, __file__, "--child", str(replicas)] + ([] if fast else ["--stepping"])
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
@@ -147,6 +152,8 @@ def main() -> None:
     if args.child is not None:
         child(args.child, fast=not args.stepping)
         return
+
+    import statistics
 
     from rich.console import Console
     from rich.table import Table

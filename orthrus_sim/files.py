@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 
 def read_structured(path: str | Path, what: str, yaml_format: bool | None = None) -> Any:
     """Parse ``path`` as YAML (``yaml_format``, or by default a .yaml/.yml name) or JSON;
@@ -18,6 +16,8 @@ def read_structured(path: str | Path, what: str, yaml_format: bool | None = None
         raise ValueError(f"{what} {path} does not exist")
     text = path.read_text()
     if yaml_format or (yaml_format is None and path.suffix in (".yaml", ".yml")):
+        import yaml  # here, not at the top: a run from a JSON or in-memory scenario skips it
+
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError as exc:

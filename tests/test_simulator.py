@@ -256,6 +256,42 @@ def test_decode_runs_through_finishes_equal_stepping(configuration, monkeypatch)
         assert math.isclose(f["mfu"], s["mfu"], rel_tol=1e-9)
 
 
+def test_arrivals_cut_decode_runs_without_interrupts_and_equal_stepping(monkeypatch):
+    """An arrival during a run's segment moves the replica's wait to the end of the step in
+    flight (``Replica._cut_run``) instead of interrupting it: no SimPy interrupt is raised,
+    each cut saves the interruption and the timeout it would start, and every timestamp still
+    equals stepping."""
+    import simpy
+
+    from orthrus_sim.sim import replica
+
+    cuts = []
+    cut_run = replica.Replica._cut_run
+
+    def recording(self):
+        cut_run(self)
+        cuts.append(self._cut_steps)
+
+    def no_interrupt(self, cause=None):
+        raise AssertionError("a decode run was interrupted")
+
+    monkeypatch.setattr(replica.Replica, "_cut_run", recording)
+    monkeypatch.setattr(simpy.events.Process, "interrupt", no_interrupt)
+    raw = {"name": "cuts", "seed": 8, "calibration": "a100-40gb", "num_requests": 150,
+           "embedding": {"lora_rank": None},
+           "workload": {"pools": [{"kind": "generation", "process": "poisson", "rate": 6.0}],
+                        "generation_prompt": {"dist": "uniform", "low": 16, "high": 300},
+                        "generation_output": {"dist": "uniform", "low": 50, "high": 400}},
+           "configurations": ["dedicated-0:1"]}
+    scenario = parse_scenario(raw)
+    fast = simulate(scenario, "dedicated-0:1")
+    assert sum(1 for steps in cuts if steps) > 50  # arrivals cut runs mid-segment
+    slow = simulate(scenario, "dedicated-0:1", fast_forward=False)
+    assert [(r["request_id"], r["first_token_s"], r["finished_s"]) for r in fast.requests] == [
+        (r["request_id"], r["first_token_s"], r["finished_s"]) for r in slow.requests]
+    assert fast.metrics["iterations"] == slow.metrics["iterations"]
+
+
 def test_scenario_errors_name_the_field():
     with pytest.raises(ValueError, match=r"workload\.arrival: .*needs 'rate'"):
         parse_scenario({"name": "x", "duration_s": 1, "workload": {"arrival": {"process": "poisson"}}})

@@ -22,6 +22,10 @@ class RequestKind(enum.Enum):
     EMBEDDING = "embedding"
     GENERATION = "generation"
 
+    # dict keys on the hot path (queues, routers): the identity hash, in C, not Enum's in
+    # Python (equality is identity for members all the same)
+    __hash__ = object.__hash__
+
 
 class RequestState(enum.Enum):
     WAITING = "waiting"
@@ -29,6 +33,8 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
     ABORTED = "aborted"
     REJECTED = "rejected"
+
+    __hash__ = object.__hash__  # as RequestKind's
 
     @property
     def is_final(self) -> bool:

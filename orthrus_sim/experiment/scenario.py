@@ -17,7 +17,6 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -568,6 +567,8 @@ def apply_overrides(raw: dict, overrides: list[str], flag: str = "--set") -> dic
         keys = path.strip().split(".")
         if not all(keys):
             raise ValueError(f"{flag} {item!r}: empty key in {path.strip()!r}")
+        import yaml  # only overrides and files need it (``files.read_structured``)
+
         try:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError as exc:

@@ -80,7 +80,8 @@ class Replica:
         self._merge_s = 0.0  # a merge or unmerge to run before the next iteration
         self._wake: simpy.Event | None = None  # what an idle replica waits on: work
         self._arrived = False  # work arrived during the decode run in flight
-        self._segment = False  # waiting out a decode run's segment: an arrival interrupts it
+        self._segment = False  # waiting out a decode run's segment: an arrival cuts it
+        self._cut_steps = 0  # the steps of the segment that ran when an arrival cut it
         self._stepping = False  # an iteration (or decode run) is in flight
         self._inbox: list[Request] = []  # arrived while it was: they enter when it ends
         self._run: tuple | None = None  # a decode run in flight: shape, start, ends
@@ -137,7 +138,24 @@ class Replica:
             self._wake.succeed()
         elif self._segment:
             self._segment = False
-            self.process.interrupt()
+            self._cut_run()
+
+    def _cut_run(self) -> None:
+        """Work arrived during a decode run's segment: the run ends with the iteration in
+        flight, so the replica's wait moves from the segment's end to that iteration's end.
+        This is what SimPy's ``Process.interrupt`` does to the waiting process (unhook it from
+        the event it waits on) without its two extra events (the interruption, and the timeout
+        the interrupted process would then start): one event per arrival instead of three."""
+        ends = self._run[2]
+        k = bisect_right(ends, self.env.now)  # the step in flight (one that ends now is done)
+        if k == len(ends):
+            return  # the segment's end is now: the wait ends with it
+        self._cut_steps = k + 1
+        process = self.process
+        process._target.callbacks.remove(process._resume)
+        wake = self.env.timeout(_delay_to(self.env.now, ends[k]))
+        wake.callbacks.append(process._resume)
+        process._target = wake
 
     def _enter(self, request: Request) -> None:
         """Hand ``request`` to the policy now (it becomes ready now)."""
@@ -281,18 +299,19 @@ class Replica:
             t = ends[-1]
             shape.decode_kv = kv0
             self._in_flight = (start, ends[-1], shape, len(ends))
-            # the segment's end, or work arriving first (``_admit`` interrupts the wait)
+            # the segment's end, or the end of the step in flight when work arrives first
+            # (``_admit`` moves the wait there: ``_cut_run``)
             self._segment = True
-            try:
-                yield env.timeout(_delay_to(env.now, ends[-1]))
-            except simpy.Interrupt:
-                pass
+            yield env.timeout(_delay_to(env.now, ends[-1]))
             self._segment = False
             if env.now < ends[-1] or self._arrived:
-                break  # work arrived: finish the iteration in flight, then reschedule
+                break  # work arrived: the iteration in flight ended, reschedule
+        cut, self._cut_steps = self._cut_steps, 0
+        if cut:
+            return cut  # the steps up to the one in flight when work arrived
         done = len(ends)
-        if env.now < ends[-1]:
-            done = bisect_right(ends, env.now) + 1  # the first step ending after now
+        if env.now < ends[-1]:  # the clock could not land on the segment's end (rounding)
+            done = bisect_right(ends, env.now) + 1
             if ends[done - 1] > env.now:
                 yield env.timeout(_delay_to(env.now, ends[done - 1]))
         return done
