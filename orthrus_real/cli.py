@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -270,6 +271,13 @@ def calibrate(
     cpus: str = typer.Option(None, "--cpus", help="profile on these CPUs only (0,1 or 0-3): the "
                              "arrangement the engine will serve under (serve --cpus)"),
     backend: str = typer.Option("torch", help=BACKEND_HELP),
+    colocated: int = typer.Option(1, "--colocated", help="engines on this machine while it is "
+                                  "profiled, this one included: N-1 neighbours of the same "
+                                  "arrangement serve a mixed load meanwhile, so the calibration "
+                                  "sees their interference (a cluster of N replicas here)"),
+    devices: str = typer.Option(None, "--devices", help="with --colocated N: one device per "
+                                "engine as serve --replicas N --devices takes them (cpu:0,cpu:1); "
+                                "the first is the profiled engine's"),
 ) -> None:
     """Profile the engine over batch compositions, fit the cost model, write a calibration."""
     from rich.progress import Progress
@@ -279,27 +287,35 @@ def calibrate(
     from orthrus_real.measure import calibrate as cal
 
     try:
-        pinned = parse_cpus(cpus)
-        pin_process(pinned)
+        placed = _calibration_devices(colocated, devices, cpus)
+        pinned = placed[0].cpus if placed else parse_cpus(cpus)
         threads = threads or len(pinned or ())
         rank = adapter_rank(embedding_adapter) if embedding_adapter else None
+        adapter = str(embedding_adapter) if embedding_adapter else None
         _, sched = scheduler_settings(None, None, set_, "ibs", token_budget)
-        runner = cal.calibration_engine(str(model), str(embedding_adapter) if embedding_adapter else None,
-                                        sched, threads=threads, backend=backend)
         grid = cal.default_grid(quick)
-        with Progress(console=console) as bar:
+        seconds = min(load_seconds, 6.0) if quick else load_seconds
+        with Progress(console=console, transient=True) as bar:
             task = bar.add_task("profiling", total=len(grid))
-            rows = cal.profile(runner, grid, repeats, lambda i, n: bar.update(task, completed=i))
-        if load_seconds > 0:
-            with console.status(f"profiling {load_seconds:.0f} s of mixed serving load"):
-                rows += cal.profile_load(runner, min(load_seconds, 6.0) if quick else load_seconds)
-        from orthrus_real.engine.device import engine_environment
+            common = {"threads": threads, "backend": backend,
+                      "status": lambda text: _bar_says(bar, task, text),
+                      "progress": lambda i, n: bar.update(task, completed=i)}
+            if colocated > 1:
+                from orthrus_real.measure.colocated import profile_colocated
 
-        env = engine_environment(runner.engine, backend)
-        runner.stop()
+                console.print(f"starting {colocated - 1} neighbour engine(s) on "
+                              f"{', '.join(str(d) for d in placed[1:])}, each under a mixed "
+                              "load", highlight=False)
+                rows, env = profile_colocated(placed, str(model), adapter, sched, grid, repeats,
+                                              seconds, **common)
+            else:
+                pin_process(pinned)
+                rows, env = cal.profile_engine(str(model), adapter, sched, grid, repeats, seconds,
+                                               device=placed[0].torch_device if placed else None,
+                                               **common)
         calibration, rows = cal.fit(rows, str(model), rank, hardware, backend=backend,
                                     environment=env)
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
@@ -314,6 +330,40 @@ def calibrate(
     for warning in cal.fit_warnings(calibration):
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     console.print(f"wrote {out} and {csv_path}", highlight=False)
+
+
+@contextmanager
+def _bar_says(bar, task, text: str):
+    """A progress bar's line says ``text`` while a step without a count runs (one live
+    display at a time: a status spinner cannot run inside the bar)."""
+    bar.update(task, description=text)
+    yield
+
+
+def _calibration_devices(colocated: int, devices: str | None, cpus: str | None) -> list:
+    """``calibrate``'s engines' devices (the profiled one first; empty: no --devices), checked
+    before anything starts."""
+    if colocated < 1:
+        raise ValueError(f"--colocated must be >= 1 (engines on the machine, this one "
+                         f"included), got {colocated}")
+    if devices is None:
+        if colocated == 1:
+            return []
+        from orthrus_real.cluster.devices import Device
+        from orthrus_real.engine.device import parse_cpus
+
+        pinned = parse_cpus(cpus)  # the profiled engine's; the neighbours are not pinned
+        return [Device("cpu", cpus=frozenset(pinned) if pinned else None)] + \
+            [Device("cpu")] * (colocated - 1)
+    if cpus:
+        raise ValueError("give --devices (one per engine) or --cpus (the profiled engine's), "
+                         "not both")
+    import torch
+
+    from orthrus_real.cluster.devices import parse_devices
+
+    return parse_devices(devices, colocated,
+                         torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 @app.command()

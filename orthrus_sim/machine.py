@@ -46,11 +46,13 @@ def this_machine(gpu: str | None = None) -> dict:
 
 
 def environment_warning(recorded, current: dict, dtype: str | None, name: str,
-                        threads: int | None = None) -> str | None:
+                        threads: int | None = None, colocated: int | None = None) -> str | None:
     """One line when ``current`` (``this_machine``), ``dtype`` or the engine's ``threads``
     differ from a calibration's recorded environment (``EnvironmentModel`` or a dict; None:
     nothing recorded, no warning). The threads matter as much as the machine: a profile on two
-    cores prices a one-core engine's batches by another shape, not just a scale."""
+    cores prices a one-core engine's batches by another shape, not just a scale. ``colocated``:
+    the engines that will share this machine (a cluster of CPU replicas); a profile of one
+    engine alone prices away what its neighbours cost it."""
     if recorded is None:
         return None
     rec = recorded if isinstance(recorded, dict) else recorded.model_dump()
@@ -69,11 +71,18 @@ def environment_warning(recorded, current: dict, dtype: str | None, name: str,
         diffs.append(f"dtype {rec['dtype']} there, {dtype} here")
     if threads and rec.get("threads") and threads != rec["threads"]:
         diffs.append(f"{rec['threads']} engine thread(s) there, {threads} here")
+    there = rec.get("colocated") or 1
+    crowd = None
+    if colocated and colocated != there:
+        crowd = (f"calibration {name} was measured with {there} engine(s) on its machine and "
+                 f"{colocated} will share this one: each engine's iterations run at another "
+                 f"speed beside neighbours (calibrate --colocated {colocated})")
     if not diffs:
-        return None
-    return (f"calibration {name} was measured on another machine ({'; '.join(diffs)}): its "
+        return crowd
+    line = (f"calibration {name} was measured on another machine ({'; '.join(diffs)}): its "
             "figures may not hold here; calibrate on this machine (orthrus-real calibrate) or "
             "fit (orthrus-sim fit)")
+    return line if crowd is None else f"{line}; and {crowd}"
 
 
 def hardware_warning(calibration, hardware: str, dtype_bytes: int, name: str) -> str | None:

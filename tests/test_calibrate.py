@@ -152,3 +152,100 @@ def test_profiled_rows_are_categorised_by_what_the_batch_carried():
     assert _category(shape(pre), "mixed") == "prefill"  # a mixed point that ran no decodes
     assert _category(shape(emb, pre), "prefill") == "prefill"
     assert _category(shape(dec), "load") == "load"
+
+
+def test_calibrate_colocated_checks_its_arguments_before_anything_runs(tiny_models, tmp_path):
+    model, out = str(tiny_models["llama"]), tmp_path / "c.json"
+    for extra, says in ((["--colocated", "0"], "--colocated must be >= 1"),
+                        (["--colocated", "2", "--devices", "cpu:0,cpu:1", "--cpus", "0"],
+                         "give --devices (one per engine) or --cpus"),
+                        (["--colocated", "3", "--devices", "cpu:0,cpu:1"],
+                         "names 2 devices for --replicas 3")):
+        res = CliRunner().invoke(app, ["calibrate", "--model", model, "--out", str(out), *extra])
+        assert res.exit_code != 0 and says in " ".join(res.output.split()), res.output
+    assert not out.exists()
+
+
+def _serving(model_dir) -> list[int]:
+    """Pids of ``orthrus-real serve`` processes of this model (a neighbour left behind)."""
+    from pathlib import Path
+
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmd and str(model_dir).encode() in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_calibrate_colocated_profiles_beside_a_serving_neighbour(tiny_models, tmp_path):
+    """``--colocated 2``: a second engine of the same arrangement serves a mixed load through
+    the whole grid (it ran iterations meanwhile), then the serving load runs on a cluster of
+    both behind the gateway and every replica's iterations are rows of the fit; the calibration
+    records all of it, and no engine or gateway is left afterwards."""
+    import csv
+
+    model, out = tiny_models["llama"], tmp_path / "co.json"
+    res = CliRunner().invoke(app, ["calibrate", "--model", str(model), "--out", str(out),
+                                   "--quick", "--repeats", "1", "--load-seconds", "3",
+                                   "--colocated", "2", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    assert "starting 1 neighbour engine(s) on cpu, each under a mixed load" in res.output
+    cal = load_calibration(out)
+    env = cal.environment
+    assert env.colocated == 2 and env.neighbour_devices == ["cpu"] and env.threads == 1
+    assert len(env.neighbour_iterations) == 1 and env.neighbour_iterations[0] > 10
+    # both replicas of the served load iterated, and each of their iterations is a row
+    assert len(env.served_iterations) == 2 and min(env.served_iterations) > 10
+    with out.with_suffix(".csv").open() as fh:
+        categories = [row["category"] for row in csv.DictReader(fh)]
+    assert categories.count("load") == sum(env.served_iterations)
+    assert categories.count("decode") > 0  # the grid's rows are there too
+    assert "measured beside 1 other engine(s)" in cal.source.description
+    assert "the serving load run by a cluster of 2 replicas" in cal.source.description
+    assert _serving(model) == []
+    # a cluster of two CPU replicas predicted with it: no warning; with a lone profile: one
+    from orthrus_real.engine.device import environment_check
+
+    assert environment_check(str(out), str(model), threads=1, colocated=2) is None
+    alone = out.with_name("alone.json")
+    from orthrus_sim.costmodel import save_calibration
+
+    save_calibration(cal.model_copy(update={"environment": env.model_copy(
+        update={"colocated": None})}), alone)
+    line = environment_check(str(alone), str(model), threads=1, colocated=2)
+    assert line and "measured with 1 engine(s) on its machine and 2 will share this one" in line
+    assert "calibrate --colocated 2" in line
+
+
+def test_a_neighbour_that_stops_fails_the_colocated_profile(tmp_path):
+    """A neighbour whose engine exited, or whose load stopped, did not load the machine
+    through the profile: the calibration says so instead of recording it as co-located."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from orthrus_real.measure.colocated import Neighbours, neighbour_load
+    from orthrus_sim.experiment.scenario import parse_scenario
+
+    sc = parse_scenario(neighbour_load(1))
+    assert sc.workload.generation_share == 0.5 and sc.workload.arrival.process == "closed-loop"
+    near = Neighbours.__new__(Neighbours)
+    near.replicas = [SimpleNamespace(index=1, exited=lambda: 3, spec=SimpleNamespace(device="cpu:1"))]
+    near.loads = []
+    with pytest.raises(RuntimeError, match=r"neighbour replica 1 \(on cpu:1\) exited with code 3"):
+        near.check()
+    log = tmp_path / "load.log"
+    with log.open("wb") as fh:
+        load = subprocess.Popen([sys.executable, "-c", "import sys; print('starting'); "
+                                 "sys.exit('no route to the neighbour')"], stdout=fh,
+                                stderr=subprocess.STDOUT)
+    load.wait()
+    near.replicas = [SimpleNamespace(index=1, exited=lambda: None)]
+    near.loads = [(load, log)]
+    with pytest.raises(RuntimeError, match=r"the load on neighbour replica 1 stopped \(exit 1\)"
+                                           r".*: no route to the neighbour$"):
+        near.check()

@@ -691,3 +691,34 @@ def test_adaptive_placement_packs_generations_over_real_replicas(tiny_models):
             for i in range(20)]
     # new embeddings go mostly to the replica that does not decode
     assert late.count(gens[0].index) < late.count(1 - gens[0].index)
+
+
+def test_the_gateway_plans_for_the_clients_its_scenario_has(tiny_models):
+    """The adaptive planner weighs a closed loop's clients (who wait for answers) differently
+    from open-loop arrivals; the gateway serving a scenario (``serve --scenario``) builds it as
+    the simulated cluster does (``routing.closed_loop``), and without one (clients unknown) for
+    open-loop arrivals. No processes are started."""
+    from orthrus_real.cluster.machine_plan import ClusterArgs, make_replicas
+    from orthrus_real.cluster.replicas import ServeOptions
+    from orthrus_real.cluster.serve import cluster_scenario, make_gateway
+    from orthrus_sim.experiment.routing import AdaptivePlacement
+
+    model = str(tiny_models["llama"])
+    opts = ServeOptions(model)
+    args = ClusterArgs(replicas=2, configuration="orthrus", devices="cpu:0,cpu:0",
+                       router="adaptive", threads=1, adapter=None)
+    served, _ = cluster_scenario(None, ["scheduler.tpot_target_s=0.005"], [], "ibs", args, opts)
+    closed = parse_scenario({"name": "t", "num_requests": 1, "model": model,
+                             "cluster": {"gpus": 2, "router": "adaptive"},
+                             "workload": {"arrival": {"process": "closed-loop", "clients": 8}},
+                             "scheduler": {"tpot_target_s": 0.005}, "configurations": ["orthrus"]})
+    for sc, waits in ((served, False), (closed, True)):
+        gateway = make_gateway(sc, make_replicas(sc, "orthrus", args), opts, False, 10.0)
+        assert isinstance(gateway.router, AdaptivePlacement)
+        assert gateway.router.closed_loop is waits
+    # a split under the same rule and target (its replicas run as stock servers, without the
+    # target) is routed by kind; the gateway is built before any replica is routable
+    split = make_replicas(closed, "dedicated-1:1", args)
+    gateway = make_gateway(closed, split, opts, False, 10.0)
+    assert not isinstance(gateway.router, AdaptivePlacement)
+    assert [r.role for r in gateway.router.replicas] == ["embedding", "generation"]

@@ -58,10 +58,11 @@ class Gateway:
     def __init__(self, replicas: list[Replica], opts: ServeOptions, rule: str,
                  target_s: float | None = None, pack: float = 1.0, auto_restart: bool = False,
                  api_key: str | None = None, start_timeout: float = 300.0,
-                 rules: RetryRules | None = None) -> None:
+                 rules: RetryRules | None = None, closed_loop: bool = False) -> None:
         self.replicas = replicas
         self.opts = opts
         self.rule, self.target_s, self.pack = rule, target_s, pack
+        self.closed_loop = closed_loop  # the adaptive planner's demand (routing.closed_loop)
         self.auto_restart = auto_restart
         self.start_timeout = start_timeout
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -85,12 +86,15 @@ class Gateway:
         self.client: httpx.AsyncClient | None = None  # probes, metrics, models, admin
         self.upstream = None  # upstream.UpstreamPool: the relayed requests (set at start)
         self.tokenizer = _tokenizer(opts.model)
-        self.router = self._router()
+        # over the whole placement first, so the rule is checked against it before anything
+        # starts (no replica is routable yet: a split's would look like no split at all)
+        self.router = self._router(self.replicas)
 
     # ----- routing --------------------------------------------------------------------------
-    def _router(self):
-        return make_router(self.rule, [r for r in self.replicas if r.routable],
-                           self.target_s, self.pack)
+    def _router(self, replicas: list[Replica] | None = None):
+        return make_router(self.rule, [r for r in self.replicas if r.routable]
+                           if replicas is None else replicas,
+                           self.target_s, self.pack, self.closed_loop)
 
     def reroute(self) -> None:
         """The router over the replicas up now (a replica left or came back)."""

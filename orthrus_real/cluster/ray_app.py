@@ -147,7 +147,7 @@ class GatewayIngress:
     """The ingress deployment: the gateway over the engine deployments' handles."""
 
     def __init__(self, engines: list, replicas: list[RayReplica], opts: ServeOptions,
-                 scenario_router: tuple[str, float | None, float]) -> None:
+                 scenario_router: tuple[str, float | None, float, bool]) -> None:
         from orthrus_real.cluster.gateway import Gateway
         from orthrus_real.server.serving import setup_logging
 
@@ -155,10 +155,10 @@ class GatewayIngress:
         for replica, handle in zip(replicas, engines):
             replica.handle = handle
             replica._headers = {"authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
-        rule, target, pack = scenario_router
+        rule, target, pack, clients_wait = scenario_router
         self.opts = opts
         self.gateway = Gateway(replicas, opts, rule, target, pack, auto_restart=True,
-                               api_key=opts.api_key)
+                               api_key=opts.api_key, closed_loop=clients_wait)
         self.gateway.owns_replicas = False
 
     def __serve_build_asgi_app__(self):
@@ -201,8 +201,10 @@ def prepare_ray(address: str, scenario, configuration: str, args, opts: ServeOpt
     except ImportError:
         raise ValueError("--ray needs Ray Serve: pip install -e '.[serve]' (ray[serve])") from None
     replicas = make_replicas(scenario, configuration, args, RayReplica)
+    from orthrus_sim.experiment.routing import closed_loop
+
     router = (scenario.cluster.router, replicas[0].spec.plan.config.tpot_target_s,
-              scenario.cluster.adaptive_pack)
+              scenario.cluster.adaptive_pack, closed_loop(scenario))
     sock.close()  # Ray Serve's proxy listens there
 
     def run() -> None:

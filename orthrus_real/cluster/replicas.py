@@ -152,7 +152,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the gateway process dies (Linux), so no engine
     outlives it; and a session of its own, so a terminal's Ctrl-C reaches the gateway only
     (which drains the replicas in order)."""
@@ -225,7 +225,7 @@ class Replica:
         env = {**os.environ, "ORTHRUS_API_KEY": opts.api_key} if opts.api_key else None
         self.process = subprocess.Popen(child_command(self.spec, opts, self.port), env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                        stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         self._log_thread = threading.Thread(target=self._relay, args=(self.process,), daemon=True,
                                             name=f"replica-{self.index}-log")
         self._log_thread.start()

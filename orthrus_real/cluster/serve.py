@@ -64,7 +64,10 @@ def cluster_scenario(scenario: str | None, set_: list[str], knobs: list[str], po
     from orthrus_real.engine.model_files import adapter_rank
 
     if scenario is None:
+        # the clients are not known: open-loop arrivals, so the adaptive planner weighs the
+        # rates it observes (routing.closed_loop) rather than clients that wait for answers
         raw = {"name": "serve", "num_requests": 1, "model": opts.model,
+               "workload": {"arrival": {"process": "poisson", "rate": 1.0}},
                "scheduler": {"policy": policy} if policy != "ibs" else {},
                "configurations": [args.configuration or "orthrus"]}
         if args.replicas:
@@ -97,10 +100,11 @@ def make_gateway(scenario: Scenario, replicas: list[Replica], opts: ServeOptions
                  auto_restart: bool, start_timeout: float):
     """The gateway over ``replicas`` with the scenario's routing rule."""
     from orthrus_real.cluster.gateway import Gateway
+    from orthrus_sim.experiment.routing import closed_loop
 
     target = replicas[0].spec.plan.config.tpot_target_s
     return Gateway(replicas, opts, scenario.cluster.router, target, scenario.cluster.adaptive_pack,
-                   auto_restart, opts.api_key, start_timeout)
+                   auto_restart, opts.api_key, start_timeout, closed_loop=closed_loop(scenario))
 
 
 def build_cluster(scenario: Scenario, configuration: str, args: ClusterArgs, opts: ServeOptions):

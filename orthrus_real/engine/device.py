@@ -69,8 +69,10 @@ def choose_dtype(device: torch.device, requested: str | None, model_dtype: torch
     return torch.float32, reason
 
 
-def engine_environment(engine, backend: str) -> dict:
-    """Where and how ``engine`` runs, as a calibration records it (``EnvironmentModel``)."""
+def engine_environment(engine, backend: str, threads: int | None = None) -> dict:
+    """Where and how ``engine`` runs, as a calibration records it (``EnvironmentModel``).
+    ``threads``: those the engine was given; torch's thread count is per thread (OpenMP), so
+    this thread's count is only the fallback for an engine stepped here."""
     from orthrus_sim.machine import this_machine
 
     device = getattr(engine, "device", None)
@@ -89,14 +91,17 @@ def engine_environment(engine, backend: str) -> dict:
         if gemm is not None:  # which library ran the fp32 projections (cpu_gemm.py)
             version += f", fp32 projections {gemm.few}/{gemm.many}"
     return {**this_machine(gpu), "dtype": str(engine.cfg.dtype).removeprefix("torch."),
-            "engine": backend, "engine_version": version, "threads": torch.get_num_threads()}
+            "engine": backend, "engine_version": version,
+            "threads": threads or torch.get_num_threads()}
 
 
 def environment_check(calibration_path: str, model_dir: str | None = None,
-                      device: str | None = None, threads: int | None = None) -> str | None:
+                      device: str | None = None, threads: int | None = None,
+                      colocated: int | None = None) -> str | None:
     """One line when the calibration was measured on another machine, in another dtype than a
-    model in ``model_dir`` runs in here, or with other engine ``threads`` than the engine it
-    will predict (``orthrus_sim.machine.environment_warning``)."""
+    model in ``model_dir`` runs in here, with other engine ``threads`` than the engine it
+    will predict, or beside another number of engines than ``colocated`` (those that will
+    share this machine; ``orthrus_sim.machine.environment_warning``)."""
     from pathlib import Path
 
     from orthrus_real.engine.model_files import read_config
@@ -111,7 +116,7 @@ def environment_check(calibration_path: str, model_dir: str | None = None,
         chosen, _ = choose_dtype(dev, None, read_config(model_dir).dtype)
         dtype = str(chosen).removeprefix("torch.")
     return environment_warning(cal.environment, this_machine(gpu), dtype,
-                               Path(calibration_path).name, threads)
+                               Path(calibration_path).name, threads, colocated)
 
 
 def parse_cpus(text: str | None, option: str = "--cpus") -> set[int] | None:

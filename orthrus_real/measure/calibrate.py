@@ -136,6 +136,12 @@ def profile(runner: EngineThread, grid: list[GridPoint], repeats: int = 3, progr
     return asyncio.run(go())
 
 
+# the serving load's lengths (the profile's own load and a co-located neighbour's)
+LOAD_LENGTHS = {"embedding_input": {"dist": "uniform", "low": 16, "high": 512},
+                "generation_prompt": {"dist": "uniform", "low": 16, "high": 256},
+                "generation_output": {"dist": "uniform", "low": 8, "high": 128}}
+
+
 def load_scenario_for(seconds: float, seed: int = 1234):
     """A mixed closed-loop load through three mixes (9:1, 5:5, 1:9 embedding:generation) with
     varied lengths: compositions a grid does not produce (prefill + decodes + embedding chunks
@@ -145,10 +151,7 @@ def load_scenario_for(seconds: float, seed: int = 1234):
     third = seconds / 3
     return parse_scenario({
         "name": "calibration-load", "seed": seed, "duration_s": seconds,
-        "workload": {"arrival": {"process": "closed-loop", "clients": 16},
-                     "embedding_input": {"dist": "uniform", "low": 16, "high": 512},
-                     "generation_prompt": {"dist": "uniform", "low": 16, "high": 256},
-                     "generation_output": {"dist": "uniform", "low": 8, "high": 128},
+        "workload": {"arrival": {"process": "closed-loop", "clients": 16}, **LOAD_LENGTHS,
                      "phases": [{"duration_s": third, "generation_share": s} for s in (0.1, 0.5, 0.9)]},
     })
 
@@ -188,13 +191,22 @@ def fit(rows: list[dict], model_dir: str, adapter_rank: int | None, hardware: st
         holdout_every: int = 5, backend: str = "torch",
         environment: dict | None = None) -> tuple[CalibrationFile, list[dict]]:
     """Fit group efficiencies and overheads; returns the calibration and per-row predictions.
-    ``environment``: where it was measured (``device.engine_environment``), recorded in it."""
+    ``environment``: where it was measured (``device.engine_environment``, and ``colocated``
+    with the neighbours' figures when it was), recorded in it. When its rows include a served
+    cluster's iterations (``served_iterations``: ``calibrate --colocated``), the grid's rows
+    are fitted at the speed those ran (``serving_scale``)."""
     hw = get_hardware(hardware)
     spec = get_model(model_dir)
     lora = LoRASpec(adapter_rank) if adapter_rank else None
     base = CostModel(hw, spec, Coefficients(), lora)
     fields = BatchShape.__slots__
     samples = [(BatchShape(**{k: r[k] for k in fields}), r["seconds"]) for r in rows]
+    if (environment or {}).get("served_iterations"):
+        scale = serving_scale(samples, [r["category"] == "load" for r in rows], base,
+                              holdout_every)
+        environment = {**environment, "serving_scale": round(scale, 5)}
+        samples = [(shape, t if r["category"] == "load" else t * scale)
+                   for r, (shape, t) in zip(rows, samples)]
     coeffs, errors = fit_iterations(base, samples, holdout_every)
     fitted = CostModel(hw, spec, coeffs, lora)
     held = {}
@@ -214,7 +226,7 @@ def fit(rows: list[dict], model_dir: str, adapter_rank: int | None, hardware: st
                 f"orthrus-real calibrate: {len(rows)} whole iterations of {ENGINE_NAMES[backend]} "
                 f"(scheduling, forward, emit, completion) on {hw.name}: grid points of one kind "
                 "of batch each, plus every iteration of a mixed serving load (category 'load'); "
-                "fitted with "
+                + _colocation_text(environment) + "fitted with "
                 "fit_iterations (group efficiencies: linear, attention, elementwise, LoRA; "
                 "per-iteration and per-sequence overheads). Per-operator times are not measured "
                 "separately here, so per-operator MAPE is not available; errors are per batch "
@@ -226,6 +238,34 @@ def fit(rows: list[dict], model_dir: str, adapter_rank: int | None, hardware: st
         environment=EnvironmentModel(**environment) if environment else None,
     )
     return cal, rows
+
+
+def serving_scale(samples: list[tuple[BatchShape, float]], served: list[bool], base: CostModel,
+                  holdout_every: int = 5) -> float:
+    """How much slower a served cluster's iterations ran (the samples flagged ``served``) than
+    a fit of the others (the grid, one engine in the calibrating process) prices the same
+    batches. Served behind the gateway, with the client, the gateway and each replica's HTTP
+    server on the engines' cores, every iteration takes longer by about the same factor (10 %
+    for two one-core replicas on the 2-core machine, docs/cluster.md); the grid alone would
+    price that away, and the served load alone does not cover the batches a grid does."""
+    grid = [x for x, is_served in zip(samples, served) if not is_served]
+    coeffs, _ = fit_iterations(base, grid, holdout_every)
+    model = CostModel(base.hardware, base.model, coeffs, base.lora)
+    taken = [(shape, t) for (shape, t), is_served in zip(samples, served) if is_served]
+    return sum(t for _, t in taken) / sum(model.shape_time(shape) for shape, _ in taken)
+
+
+def _colocation_text(environment: dict | None) -> str:
+    n = (environment or {}).get("colocated") or 1
+    if n == 1:
+        return "the engine alone on the machine; "
+    text = (f"the grid measured beside {n - 1} other engine(s) of the same arrangement "
+            "serving a mixed closed-loop load on the same machine (calibrate --colocated)")
+    if (environment or {}).get("served_iterations"):
+        text += (f", the serving load run by a cluster of {n} replicas behind the gateway "
+                 "(every replica's iterations), the grid's times scaled by how much slower those "
+                 f"ran than it (serving_scale {environment.get('serving_scale', 1.0):.3f})")
+    return text + ", so the times carry their interference; "
 
 
 POOR_FIT = 0.15  # held-out MAPE over all iterations above which a calibration is called poor
@@ -259,10 +299,33 @@ def write(cal: CalibrationFile, rows: list[dict], out: Path) -> Path:
     return csv_path
 
 
+def profile_engine(model_dir: str, adapter_dir: str | None, scheduler: SchedulerConfig,
+                   grid: list[GridPoint], repeats: int, load_seconds: float, threads: int = 0,
+                   backend: str = "torch", device: str | None = None, progress=None,
+                   status=None) -> tuple[list[dict], dict]:
+    """The grid, then ``load_seconds`` of mixed serving load (``profile_load``), on one engine
+    in this process; returns the rows and where it ran (``engine_environment``). ``status``:
+    a context manager factory that shows a message while the load runs."""
+    from contextlib import nullcontext
+
+    from orthrus_real.engine.device import engine_environment
+
+    runner = calibration_engine(model_dir, adapter_dir, scheduler, threads=threads,
+                                backend=backend, device=device)
+    try:
+        rows = profile(runner, grid, repeats, progress)
+        if load_seconds > 0:
+            with (status or nullcontext)(f"profiling {load_seconds:.0f} s of mixed serving load"):
+                rows += profile_load(runner, load_seconds)
+        return rows, engine_environment(runner.engine, backend, threads)
+    finally:
+        runner.stop()
+
+
 def calibration_engine(model_dir: str, adapter_dir: str | None,
                        scheduler: SchedulerConfig | None = None,
                        kv_cache_tokens: int = 131072, threads: int = 0,
-                       backend: str = "torch") -> EngineThread:
+                       backend: str = "torch", device: str | None = None) -> EngineThread:
     """An engine thread (built and stepped in its own thread, as in serving), started."""
     from orthrus_real.server.backends import make_engine
     from orthrus_real.server.metrics import EngineMetrics
@@ -270,7 +333,7 @@ def calibration_engine(model_dir: str, adapter_dir: str | None,
     def make():
         return make_engine(backend, model_dir, adapter_dir, "ibs",
                            scheduler or SchedulerConfig(),
-                           kv_cache_tokens, threads=threads)
+                           kv_cache_tokens, device=device, threads=threads)
 
     runner = EngineThread(make, max_queued=10**6)
     EngineMetrics.attach(runner)

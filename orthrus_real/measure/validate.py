@@ -115,6 +115,15 @@ def serve_and_bench(cmd: list[str], port: int, sc: Scenario, label: str, log: Pa
 def save_iterations(url: str, path: Path) -> int:
     """Page through a server's ``GET /iterations`` into ``path`` (JSON lines); returns the rows
     written (0, and no file, for a server without the endpoint: stock vLLM)."""
+    rows = fetch_iterations(url)
+    if rows is None:
+        return 0
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return len(rows)
+
+
+def fetch_iterations(url: str) -> list[dict] | None:
+    """A server's whole ``GET /iterations`` record, paged (None: it has no such endpoint)."""
     import httpx
 
     rows, since = [], 0
@@ -122,15 +131,13 @@ def save_iterations(url: str, path: Path) -> int:
         while True:
             r = client.get("/iterations", params={"since": since})
             if r.status_code == 404:
-                return 0
+                return None
             r.raise_for_status()
             page = r.json()
             if not page["data"]:
-                break
+                return rows
             rows += page["data"]
             since = page["next"]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return len(rows)
 
 
 def lookup(metrics: dict, path: str):
@@ -174,6 +181,12 @@ def compare(simulated: list[dict], measured: list[dict]) -> list[dict]:
     return rows
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter_dir: str | None,
              calibration: str, out: Path, kv_cache_tokens: int = 32768, threads: int = 2,
              progress=None, via_server: bool = False, backend: str = "torch",
@@ -189,7 +202,9 @@ def validate(scenario: str | Path, overrides: list[str], model_dir: str, adapter
     base = load_scenario(scenario, overrides)
     rank = adapter_rank(adapter_dir) if adapter_dir else None
     sc = real_scenario(base, model_dir, rank, calibration, kv_cache_tokens, gpus=base.cluster.gpus)
-    warning = environment_check(calibration, model_dir, threads=threads or None)
+    # a cluster of CPU replicas shares this machine: its calibration should have seen that
+    crowd = sc.cluster.gpus if sc.cluster.gpus > 1 and not _cuda() else None
+    warning = environment_check(calibration, model_dir, threads=threads or None, colocated=crowd)
     if warning and progress:
         progress(f"warning: {warning}")
     out.mkdir(parents=True, exist_ok=True)

@@ -87,6 +87,21 @@ class EnvironmentModel(BaseModel):
     engine: str | None = None
     engine_version: str | None = None
     threads: int | None = None
+    colocated: int | None = Field(default=None, ge=1, description="engines serving on the "
+                                  "machine while it was measured, this one included "
+                                  "(calibrate --colocated N; None or 1: alone)")
+    neighbour_devices: list[str] = Field(default_factory=list, description="where the other "
+                                         "engines ran (their --devices entries)")
+    neighbour_iterations: list[int] = Field(default_factory=list, description="forward passes "
+                                            "each neighbour ran during the grid")
+    served_iterations: list[int] = Field(default_factory=list, description="with --colocated: "
+                                         "each replica's iterations of the serving load the "
+                                         "cluster of them all ran behind its gateway (rows of "
+                                         "the fit)")
+    serving_scale: float | None = Field(default=None, gt=0, description="with a served load: "
+                                        "its iterations' time over what the grid's own fit "
+                                        "priced the same batches; the grid was fitted at "
+                                        "that speed")
 
 
 class FactorParameterModel(BaseModel):

@@ -447,6 +447,15 @@ def _add(acc: list[int], value: int) -> None:
     acc[1] += 1
 
 
+def closed_loop(scenario: Any) -> bool:
+    """Whether a scenario's clients wait for their answers (a closed loop): the planner then
+    counts a faster decode as more generations served, not only as shorter TPOT. The simulated
+    cluster and the gateway serving a scenario (``serve --scenario``) both build their router
+    with it, so a measured cluster is placed by the rule its simulation ran."""
+    w = scenario.workload
+    return w.kind != "trace" and all(p.process == "closed-loop" for p in w.default_pools())
+
+
 def make_router(rule: str, replicas: list[Any], target_s: float | None = None,
                 pack: float = 1.0, closed_loop: bool = False) -> Router:
     """The router for ``cluster.router``. ``adaptive`` places work on unified replicas; a split

@@ -11,16 +11,9 @@ from orthrus_sim.costmodel.factors import apply_factors
 from orthrus_sim.engine.registry import make_policy
 from orthrus_sim.engine.request import Request, RequestState
 from orthrus_sim.experiment.plan import coefficients, cost_factors, plan_configuration
-from orthrus_sim.experiment.routing import make_router
+from orthrus_sim.experiment.routing import closed_loop, make_router
 from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.replica import Replica
-
-
-def closed_loop(scenario: Scenario) -> bool:
-    """Whether clients wait for their answers (a closed loop): the planner then counts a
-    faster decode as more generations served, not only as shorter TPOT."""
-    w = scenario.workload
-    return w.kind != "trace" and all(p.process == "closed-loop" for p in w.default_pools())
 
 
 def placement_log(router) -> dict | None:
