@@ -65,8 +65,8 @@ def compute(shares: list[float], workers: int = 2, quick: bool = False, out: Pat
         jobs = []
         for s in shares:
             for x in TARGETS:
-                sets = [f"scheduler.tpot_target_s={x * step[s]:.6f}",
-                        "scheduler.waiting_work=prompt+output"]
+                # the target alone: waiting_work is prompt+output by default with it
+                sets = [f"scheduler.tpot_target_s={x * step[s]:.6f}"]
                 jobs += [(s, "orthrus", sets, base),
                          (s, "orthrus", sets + ["cluster.router=adaptive"], base)]
         second = list(pool.map(run_point, jobs))

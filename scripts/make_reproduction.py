@@ -220,7 +220,7 @@ def phased(quick: bool) -> list[str]:
     for router in ("round-robin", "adaptive"):
         d = run("phased", f"phased_target_{router}", [
             "configurations=[orthrus]", f"scheduler.tpot_target_s={target:.6f}",
-            "scheduler.waiting_work=prompt+output", f"cluster.router={router}"], quick)
+            f"cluster.router={router}"], quick)
         targeted[router] = d["runs"][0]["metrics"]
     best_end = best["metrics"]["sim_end_s"]
     brief_tpot = next(r for r in doc["runs"]
@@ -452,8 +452,8 @@ def frontier(quick: bool) -> list[str]:
         "replicas (with and without embeddings riding beside the decodes) from the demand it "
         "observes and takes the best that holds the target (docs/scheduler.md). Mix sweep, "
         "clients split by kind, targets from 1x to 3x the "
-        "decode-only step (Dedicated-1:3's TPOT p50 at each share), `waiting_work: "
-        "prompt+output`.", "",
+        "decode-only step (Dedicated-1:3's TPOT p50 at each share); nothing else set "
+        "(`waiting_work` is prompt+output by default with a target).", "",
         "**Generation protected** (target 1.25x Dedicated-1:3's TPOT p50: generation TPOT p99 "
         "within it and generation throughput at least 0.75x Dedicated-1:3's, embeddings served): "
         f"{verdict(all(held))}.", "", *protect, "",

@@ -8,8 +8,8 @@ Configurations: Orthrus and Unified-Hetero (every replica serves both kinds: the
 mixed work), Dedicated-1:3 (routing by kind; the rule acts within the generation side) and, on
 Iter-RetGen, Disagg-PD-1:3 (the rule also picks the decode replica of each hand-off). With a
 target: Orthrus with ``scheduler.tpot_target_s`` at 1.5x Dedicated-1:3's TPOT p50 at the same
-point (the frontier's "decode-only step") and ``waiting_work: prompt+output``, each rule and
-adaptive placement.
+point (the frontier's "decode-only step"; ``waiting_work`` is then prompt+output by default),
+each rule and adaptive placement.
 
 Every run goes through the sweep backend (``orthrus_sim.sweep.run_sweep``: one point per rule,
 local worker processes; its files under out/routing/). Writes docs/routing/routing.json (every
@@ -100,8 +100,7 @@ def compute(workers: int, quick: bool) -> list[dict]:
             target = TARGET_X * ref["tpot_p50_s"]
             at = [f"{key}={point}"] if key else []
             doc = sweep(scenario, [*overrides, *at, "configurations=[orthrus]",
-                                   f"scheduler.tpot_target_s={target:.6f}",
-                                   "scheduler.waiting_work=prompt+output"],
+                                   f"scheduler.tpot_target_s={target:.6f}"],
                         [f"cluster.router={','.join([*RULES, 'adaptive'])}"],
                         WORK / f"{name}_target_{point}", workers, quick)
             for r in rows_of(doc, name, round(target * 1e3, 2)):

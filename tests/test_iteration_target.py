@@ -383,3 +383,36 @@ def test_a_waiting_embedding_cut_short_waits_for_the_blocks_of_its_first_piece()
         policy.complete(batch, now)
     assert waited > 0 and first == (40, RequestState.FINISHED)  # no decode left: it goes whole
     assert policy.blocks.num_used == 0
+
+
+def test_with_a_target_a_waiting_generation_weighs_its_output_by_default():
+    """``waiting_work`` defaults to ``prompt`` (the brief's IBS) and to ``prompt+output`` where a
+    target is set (the room beside decodes is small: weighed by prompts alone, generations'
+    prompts get too little of it); an explicit choice stays. The scenario path resolves it the
+    same way, per replica: a split's replicas run without the target, so by prompts."""
+    import dataclasses
+
+    from orthrus_sim.experiment.plan import plan_configuration
+    from orthrus_sim.experiment.scenario import parse_scenario
+
+    assert SchedulerConfig().counted_work == "prompt"
+    assert SchedulerConfig(tpot_target_s=2.0).counted_work == "prompt+output"
+    assert SchedulerConfig(tpot_target_s=2.0, waiting_work="prompt").counted_work == "prompt"
+    # a copy given a target follows it (the default is not frozen into the copy)
+    assert dataclasses.replace(SchedulerConfig(), tpot_target_s=2.0).count_waiting_output
+    gen = ("generation", 0.0, 40, 30)  # 40 prompt tokens, 30 to generate
+    plain = make_policy("ibs", SchedulerConfig(token_budget=256, chunk_size=128))
+    targeted = make_policy("ibs", SchedulerConfig(token_budget=256, chunk_size=128,
+                                                  tpot_target_s=5.0), RooflinePredictor())
+    for policy, with_output in ((plain, False), (targeted, True)):
+        req = make_requests([gen])[0]
+        policy.add(req)
+        assert policy.waiting_work() == (0, req.waiting_work(with_output))
+    assert targeted.waiting_work()[1] > plain.waiting_work()[1] == 40
+    sc = parse_scenario({"name": "t", "num_requests": 1, "cluster": {"gpus": 2},
+                         "scheduler": {"tpot_target_s": 0.03},
+                         "configurations": ["orthrus", "dedicated-1:1"]})
+    assert sc.scheduler.waiting_work is None  # not chosen: the core resolves it
+    assert {p.config.counted_work for p in plan_configuration(sc, "orthrus")} == {"prompt+output"}
+    assert [p.config.counted_work for p in plan_configuration(sc, "dedicated-1:1")] == \
+        ["prompt", "prompt"]

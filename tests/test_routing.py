@@ -140,3 +140,49 @@ def test_simulated_adaptive_placement_meets_the_target():
         keep_rows=False).metrics
     # the brief's IBS lets embedding chunks slow every decode: the target keeps them fast
     assert rr["latency_s"]["tpot"]["p99"] > TARGET
+
+
+def test_adaptive_counts_arrival_rates_over_the_time_it_has_seen():
+    """A second into a run, 200 embeddings are 200 per second, not 20 (the 10 s window is not
+    full yet): planning on a tenth of the rate gave the decodes the embeddings' replicas."""
+    router = make_router("adaptive", [FakeReplica(i) for i in range(4)], TARGET)
+    for i in range(200):
+        router.route(emb(i, i / 200))
+    d = router.demand(1.0)
+    assert d.embedding_rps == pytest.approx(200.0)
+    later = make_router("adaptive", [FakeReplica(i) for i in range(4)], TARGET)
+    for i in range(200):
+        later.route(emb(i, 20.0 + i / 20))  # 200 over the last 10 s of a run 30 s old
+    assert later.demand(30.0).embedding_rps == pytest.approx(20.0)
+
+
+def test_a_burst_past_the_decoding_side_waits_instead_of_taking_an_embedding_replica():
+    """No decoding replica has room for one more generation (its KV is booked to the final
+    lengths), but the plan still holds, the replica would be at most ``BURST_SLACK`` past its
+    KV, and a bigger decoding side would cost the embeddings more than the burst gains: the
+    generation waits there, and the plan is not moved. Further past it, or with no embedding
+    demand, the side grows as before."""
+    from orthrus_sim.experiment.routing import BURST_SLACK
+
+    small = SchedulerConfig(token_budget=2048, chunk_size=512, tpot_target_s=TARGET,
+                            num_blocks=808)  # 12,928 KV tokens: twenty 640-token generations
+    reps = [FakeReplica(i, policy=FakePolicy(small)) for i in range(4)]
+    router = make_router("adaptive", reps, TARGET)
+    for i in range(2000):  # a heavy embedding load, over 10 s
+        router.route(emb(i, i / 200))
+    placed = [router.route(gen(i, 10.0 + i / 1000)) for i in range(20)]
+    assert router.plan.assignment.decoding == 1 and len({r.index for r in placed}) == 1
+    side = list(router.active)
+    assert BURST_SLACK == 0.05  # the 21st is 4 % past the replica's KV
+    burst = router.route(gen(20, 10.03))
+    assert burst in side and list(router.active) == side
+    assert not any(d.get("why") for d in router.decisions)
+    router.route(gen(21, 10.031))  # the 22nd would be 9 % past: the side grows
+    assert len(router.active) == 2
+    assert router.decisions[-1]["why"] == "no decoding replica had room"
+    # the same burst with no embeddings in flight: the side grows at once
+    alone = make_router("adaptive", [FakeReplica(i, policy=FakePolicy(small)) for i in range(4)],
+                        TARGET)
+    for i in range(21):
+        alone.route(gen(i, i / 1000))
+    assert len(alone.decoding()) >= 2

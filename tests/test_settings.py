@@ -44,6 +44,8 @@ def other_value(name: str):
     if isinstance(default, float):
         return default * 2 if default else 0.5
     args = typing.get_args(typ)
+    if str in args:  # an optional choice (None: a default that follows another field)
+        return getattr(config_module, f"{name.upper()}_MODES")[0]
     if int in args:
         return 1000 if name == "max_model_len" else 7
     if float in args:

@@ -24,7 +24,12 @@ class SchedulerConfig:
         Executors with a fixed number of request slots per batch (vLLM's input batch) set it.
     block_size / num_blocks: the paged KV cache.
     waiting_work: how IBS counts a waiting generation request's remaining work: ``"prompt"``
-        (prompt tokens only, the default) or ``"prompt+output"`` (plus its expected output).
+        (prompt tokens only) or ``"prompt+output"`` (plus its expected output). ``None`` (the
+        default) follows the target (``counted_work``): ``"prompt"``, the brief's IBS, or
+        ``"prompt+output"`` where ``tpot_target_s`` is set: the target cuts the room beside
+        decodes, and a queue weighed by its prompts alone gives the generations' prompts too
+        little of it (docs/scheduler.md). Kept unresolved, so a copy with another target
+        (``dataclasses.replace``) follows that one.
     max_model_len: longest sequence the model accepts; longer requests are rejected.
     kv_admission: when a generation request may take KV blocks: ``"optimistic"`` (its prompt
         fits; decodes grow later and preempt when the cache is full, as vLLM does) or
@@ -50,7 +55,7 @@ class SchedulerConfig:
     max_num_embeds: int | None = None
     block_size: int = 16
     num_blocks: int = 4096
-    waiting_work: str = "prompt"
+    waiting_work: str | None = None
     max_model_len: int | None = None
     kv_admission: str = "optimistic"
     tpot_target_s: float | None = None
@@ -93,12 +98,19 @@ class SchedulerConfig:
                 f"scheduler.embedding_kv must be one of {', '.join(EMBEDDING_KV_MODES)}, "
                 f"got {self.embedding_kv!r}"
             )
-        if self.waiting_work not in WAITING_WORK_MODES:
+        if self.waiting_work is not None and self.waiting_work not in WAITING_WORK_MODES:
             raise ValueError(
                 f"scheduler.waiting_work must be one of {', '.join(WAITING_WORK_MODES)}, "
                 f"got {self.waiting_work!r}"
             )
 
     @property
+    def counted_work(self) -> str:
+        """The ``waiting_work`` mode in force: the one chosen, or the target's default."""
+        if self.waiting_work is not None:
+            return self.waiting_work
+        return "prompt+output" if self.tpot_target_s is not None else "prompt"
+
+    @property
     def count_waiting_output(self) -> bool:
-        return self.waiting_work == "prompt+output"
+        return self.counted_work == "prompt+output"

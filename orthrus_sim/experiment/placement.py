@@ -179,7 +179,7 @@ class PlacementPlanner:
         mid = int(d.prompt_len + out / 2)
         limit = self.target_s
         t, gen, riding, holds, alone = self._time(1, mid, 0), 0.0, 0.0, True, 0.0
-        slots = min(self.max_seqs, max(1, self.kv_tokens // int(d.prompt_len + out)))
+        slots = min(self.max_seqs, max(1, self.kv_tokens // mid))  # held on average: mid-output
         for _ in range(FIXED_POINT_ROUNDS):
             want = d.generations / k if d.closed_loop else d.generation_rps / k * out * t
             running = min(want, slots)
@@ -251,10 +251,11 @@ class PlacementPlanner:
     def plan(self, d: Demand, current: Assignment | None = None) -> Prediction:
         """The best assignment for ``d``: the highest objective among those holding the target
         (when none does, the one serving the most generations), near-ties going to the lower
-        TPOT, then to fewer decoding replicas. The current assignment stays unless the best predicts an
-        objective more than ``HYSTERESIS`` above it (or as high, with a TPOT that much lower),
-        or it no longer holds the target; an assignment it moves to must hold the target with
-        ``HYSTERESIS`` to spare."""
+        TPOT, then to fewer decoding replicas (more, when no embedding is asked for). The
+        current assignment stays unless the best predicts an objective more than
+        ``HYSTERESIS`` above it (or as high, with a TPOT that much lower), or it no longer holds
+        the target; an assignment it moves to must hold the target with ``HYSTERESIS`` to
+        spare."""
         preds = [self.predict(a, d) for a in self.candidates()]
         # a move needs margin under the target as well as a better objective: a demand at the
         # boundary where an assignment stops holding the target does not flip it in and out
@@ -264,7 +265,10 @@ class PlacementPlanner:
         if feasible:
             top = max(p.objective for p in feasible)
             near = [p for p in feasible if p.objective >= top * (1 - 1e-6)]
-            best = min(near, key=lambda p: (p.tpot_s, p.assignment.decoding, p.assignment.riders))
+            # with no embedding asked for, an embedding side only idles: spread the decodes
+            idle = -1 if d.embeddings == 0 and d.embedding_rps == 0 else 1
+            best = min(near, key=lambda p: (p.tpot_s, idle * p.assignment.decoding,
+                                            p.assignment.riders))
         else:  # none holds: the one that serves the most generations (most decode slots)
             best = max((p for p in preds if p.assignment.decoding),
                        key=lambda p: (p.generation_rps, -p.tpot_s, p.objective))

@@ -294,6 +294,7 @@ class AdaptivePlacement(_Booked):
         self._arrivals: dict[bool, deque[float]] = {True: deque(), False: deque()}  # is_embedding
         self._lengths = {"prompt": [0, 0], "output": [0, 0], "embedding": [0, 0]}  # sum, count
         self._embeddings = 0
+        self._since: float | None = None  # the first arrival observed
 
     # ----- the two sides --------------------------------------------------------------------
     def decoding(self) -> list[Any]:
@@ -304,10 +305,14 @@ class AdaptivePlacement(_Booked):
         """What the router observed by ``now``: in flight (``arriving`` counted), arrivals per
         second over the window, mean lengths."""
         rates = {}
+        # over the time observed so far when that is shorter than the window: a full window's
+        # denominator a second into a run reads a tenth of the rate, and plans for it
+        span = self.WINDOW_S if self._since is None else min(
+            self.WINDOW_S, max(now - self._since, self.REPLAN_S))
         for kind, times in self._arrivals.items():
             while times and times[0] < now - self.WINDOW_S:
                 times.popleft()
-            rates[kind] = len(times) / self.WINDOW_S
+            rates[kind] = len(times) / span
 
         def mean(name: str) -> float:
             total, n = self._lengths[name]
@@ -324,6 +329,8 @@ class AdaptivePlacement(_Booked):
 
     def _observe(self, request: Request) -> None:
         now = request.arrival_time
+        if self._since is None:
+            self._since = now
         self._arrivals[request.is_embedding].append(now)
         if request.is_embedding:
             _add(self._lengths["embedding"], request.input_len)
@@ -409,7 +416,17 @@ class AdaptivePlacement(_Booked):
             if not roomy and len(self.active) < len(self.replicas):
                 grown = Assignment(len(self.active) + 1, self.plan.assignment.riders)
                 demand = self.demand(now, request)
-                self.plan = self.planner.predict(grown, demand)
+                kept = self.planner.predict(self.plan.assignment, demand)
+                bigger = self.planner.predict(grown, demand)
+                least = min(side, key=lambda r: (self._overbooked(r, request), r.index))
+                if (kept.feasible and self._overbooked(least, request) <= BURST_SLACK
+                        and bigger.objective < kept.objective):
+                    # a burst just past the side's slots or KV (each generation booked at its
+                    # final length), while the plan still holds and growing would cost the
+                    # embedding side more than the burst gains (a lower objective): the
+                    # generation waits in the decoding replica with the most room instead
+                    return least
+                self.plan = bigger
                 self.decisions.append({"time_s": now, **self.plan.as_dict(len(self.replicas)),
                                        "demand": asdict(demand),
                                        "why": "no decoding replica had room"})
@@ -422,6 +439,15 @@ class AdaptivePlacement(_Booked):
         super()._placed_here(request, replica, sign)
         if request.is_embedding:
             self._embeddings += sign
+
+    def _overbooked(self, replica: Any, request: Request) -> float:
+        """How far past its decode slots or KV cache a replica would be with ``request``
+        placed (0: within both), as a fraction of them."""
+        cfg = replica.policy.config
+        load = self.load[replica.index]
+        kv = (load.final_kv + request.input_len + request.expected_output_tokens) / (
+            cfg.num_blocks * cfg.block_size)
+        return max(0.0, (load.generations + 1) / cfg.max_num_seqs - 1, kv - 1)
 
     @staticmethod
     def _has_room(replica: Any, load: _Load, request: Request) -> bool:
@@ -440,6 +466,9 @@ class AdaptivePlacement(_Booked):
     def _embedding_rate(self, replica: Any, load: _Load) -> float:
         """Embedding tokens per second the replica gives beside its generations."""
         return self._rate(replica, load.generations, load.decode_kv, self.target_s)
+
+
+BURST_SLACK = 0.05  # a generation waits rather than grow the decoding side this far past it
 
 
 def _add(acc: list[int], value: int) -> None:

@@ -109,6 +109,8 @@ _SCENARIO_DEFAULTS: dict[str, tuple[Any, Any, str]] = {
     "num_blocks": (int | None, None, "default: from the memory model"),
     "tpot_target_s": (float | None, None, "iteration-time target (s) for the iterations of "
                       "unified replicas that carry decodes (docs/scheduler.md)"),
+    "waiting_work": (str | None, None, "prompt | prompt+output; default: prompt+output where "
+                     "tpot_target_s is set, else prompt"),
 }
 
 
