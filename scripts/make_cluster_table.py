@@ -40,7 +40,7 @@ import yaml
 from make_fidelity import MIXES  # beside this script
 
 from orthrus_real.cluster.machine_plan import real_scenario
-from orthrus_real.measure.validate import validate
+from orthrus_real.measure.validate import lookup, validate
 from orthrus_sim.experiment.scenario import load_scenario, read_scenario
 from orthrus_sim.sim.run import simulate
 
@@ -54,14 +54,6 @@ METRICS = [("throughput_rps.embedding", "throughput", "emb tput", "embedding"),
            ("latency_s.embedding.p50", "p50", "emb p50", "embedding"),
            ("latency_s.generation.p50", "p50", "gen p50", "generation"),
            ("latency_s.ttft.p50", "p50", "TTFT p50", "generation")]
-
-
-def value(metrics: dict, path: str):
-    for key in path.split("."):
-        if not isinstance(metrics, dict) or key not in metrics:
-            return None
-        metrics = metrics[key]
-    return metrics
 
 
 def measure(args, scenario_path: Path) -> dict:
@@ -107,19 +99,19 @@ def summarise(data: dict, min_completions: int, other: dict | None) -> list[dict
     for mix in MIXES:
         for cfg in CONFIGS:
             runs = data["measured"][mix][cfg]
-            done = {k: min(value(m, f"completed.{k}") or 0 for m in runs)
+            done = {k: min(lookup(m, f"completed.{k}") or 0 for m in runs)
                     for k in ("embedding", "generation")}
             for metric, target, header, kind in METRICS:
-                got = [v for v in (value(m, metric) for m in runs) if v is not None]
+                got = [v for v in (lookup(m, metric) for m in runs) if v is not None]
                 need = min(done.values()) if kind == "both" else done[kind]
-                sim = value(data["simulated"][mix].get(cfg, {}), metric)
+                sim = lookup(data["simulated"][mix].get(cfg, {}), metric)
                 mean = statistics.fmean(got) if got else None
                 row = {"mix": mix, "configuration": cfg, "metric": metric, "header": header,
                        "target": TARGETS[target], "measured": got, "measured_mean": mean,
                        "completions": need, "judged": need >= min_completions and bool(got),
                        "simulated": sim, "error": _error(sim, mean)}
                 if other is not None:
-                    row["error_other"] = _error(value(other[mix][cfg], metric), mean)
+                    row["error_other"] = _error(lookup(other[mix][cfg], metric), mean)
                 rows.append(row)
     return rows
 
@@ -250,9 +242,9 @@ def _phased_figures(m: dict) -> dict:
     starts = [p["start_s"] for p in phases if p["start_s"] is not None]
     ends = [p["last_finish_s"] for p in phases]
     span = max(ends) - min(starts) if starts and ends and None not in ends else None
-    return {"makespan_s": span, "tpot_p99_s": value(m, "latency_s.tpot.p99"),
-            "embedding": value(m, "completed.embedding") or 0,
-            "generation": value(m, "completed.generation") or 0}
+    return {"makespan_s": span, "tpot_p99_s": lookup(m, "latency_s.tpot.p99"),
+            "embedding": lookup(m, "completed.embedding") or 0,
+            "generation": lookup(m, "completed.generation") or 0}
 
 
 def _pct(err) -> str:

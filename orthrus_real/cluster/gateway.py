@@ -92,9 +92,10 @@ class Gateway:
 
     # ----- routing --------------------------------------------------------------------------
     def _router(self, replicas: list[Replica] | None = None):
-        return make_router(self.rule, [r for r in self.replicas if r.routable]
-                           if replicas is None else replicas,
-                           self.target_s, self.pack, self.closed_loop)
+        """The rule over ``replicas`` (default: those routable now)."""
+        if replicas is None:
+            replicas = [r for r in self.replicas if r.routable]
+        return make_router(self.rule, replicas, self.target_s, self.pack, self.closed_loop)
 
     def reroute(self) -> None:
         """The router over the replicas up now (a replica left or came back)."""

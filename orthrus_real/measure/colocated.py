@@ -3,8 +3,9 @@
 A cluster on one machine runs N engines side by side, and each iteration of one of them is
 slower than the same iteration with the machine to itself: the engines share the chip's caches
 and memory bandwidth, and their clients' and servers' per-token work takes cores. A
-calibration measured alone prices that away, and the simulator of the cluster came out 2-4x
-optimistic (docs/cluster.md). So the profiled engine is given N-1 neighbours of the arrangement
+calibration measured alone prices that away (a neighbour engine cost the grid's iterations
+about 3 % on the 2-core machine, serving behind the gateway about 10 %: docs/cluster.md). So
+the profiled engine is given N-1 neighbours of the arrangement
 the cluster will run: each an ``orthrus-real serve`` replica process on its own device (the
 cluster's ``--devices`` entry for it, as ``serve --replicas N`` places it), started by the
 cluster's own ``Replica`` class, and each driven through HTTP by an ``orthrus-real bench``
@@ -165,19 +166,15 @@ def _last_line(log_path: Path) -> str:
 
 def served_load(devices: list[Device], model: str, adapter: str | None,
                 scheduler: SchedulerConfig, threads: int, kv_cache_tokens: int, seconds: float,
-                backend: str = "torch", log: Path | None = None) -> tuple[list[dict], list[int]]:
+                backend: str = "torch") -> tuple[list[dict], list[int]]:
     """The calibration's mixed load (``calibrate.load_scenario_for``) served by a cluster of
     ``len(devices)`` unified IBS replicas behind the gateway, as ``serve --replicas N`` runs
     it; returns every replica's iterations as calibration rows (category ``load``) and how many
-    each replica ran. ``log``: the cluster's output (a temporary file otherwise)."""
-    import asyncio
-
+    each replica ran."""
     import httpx
 
-    from orthrus_real.measure.bench import bench
     from orthrus_real.measure.calibrate import load_scenario_for
-    from orthrus_real.measure.validate import fetch_iterations
-    from orthrus_real.server.serving import wait_healthy
+    from orthrus_real.measure.validate import fetch_iterations, serve_and_bench
 
     port = free_port()
     cmd = [sys.executable, "-m", "orthrus_real.cli", "serve", "--model", model, "--port", str(port),
@@ -189,33 +186,24 @@ def served_load(devices: list[Device], model: str, adapter: str | None,
         cmd += ["--threads", str(threads)]
     if adapter:
         cmd += ["--embedding-adapter", adapter]
+    rows: list[dict] = []
+    counts: list[int] = []
+
+    def collect(url: str) -> None:  # every replica's record, before the cluster stops
+        for r in httpx.get(url + "/health", timeout=10).json()["replicas"]:
+            got = fetch_iterations(r["url"]) or []
+            counts.append(len(got))
+            rows.extend({"category": "load", "point": -1, "seconds": it["seconds"], **it["shape"]}
+                        for it in got)
+
     with tempfile.TemporaryDirectory(prefix="orthrus-served-load-") as tmp:
-        log_path = log or Path(tmp) / "cluster.log"
-        with log_path.open("wb") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-        url = f"http://127.0.0.1:{port}"
+        log = Path(tmp) / "cluster.log"
         try:
-            try:
-                wait_healthy(url, 300, proc)
-            except RuntimeError as exc:
-                raise RuntimeError(f"the calibration's cluster did not start ({exc}): "
-                                   f"{_last_line(log_path)}") from None
-            asyncio.run(bench(url, load_scenario_for(seconds), label="calibration-load"))
-            replicas = httpx.get(url + "/health", timeout=10).json()["replicas"]
-            rows, counts = [], []
-            for r in replicas:
-                got = fetch_iterations(r["url"]) or []
-                counts.append(len(got))
-                rows += [{"category": "load", "point": -1, "seconds": it["seconds"], **it["shape"]}
-                         for it in got]
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            serve_and_bench(cmd, port, load_scenario_for(seconds), "calibration-load", log,
+                            start_timeout=300, before_stop=collect, preexec_fn=die_with_parent)
+        except RuntimeError as exc:
+            raise RuntimeError(f"the calibration's cluster failed ({exc}): "
+                               f"{_last_line(log)}") from None
     return rows, counts
 
 

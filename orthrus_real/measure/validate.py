@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -87,13 +88,18 @@ def run_real(sc: Scenario, configuration: str, model_dir: str, adapter_dir: str 
 
 def serve_and_bench(cmd: list[str], port: int, sc: Scenario, label: str, log: Path,
                     start_timeout: float = 120.0, env: dict | None = None,
-                    repeat: int = 1, iterations: Path | None = None) -> list[dict]:
-    """Start the server ``cmd`` (listening on ``port``; ``env``: its environment), bench it
-    ``repeat`` times with the scenario's workload once it is healthy, stop it (SIGTERM);
-    returns the measured runs, labelled ``label``. With ``iterations``, the server's iteration
-    record (``GET /iterations``, where it has one) is written there as JSON lines."""
+                    repeat: int = 1, iterations: Path | None = None,
+                    before_stop: Callable[[str], None] | None = None,
+                    preexec_fn: Callable[[], None] | None = None) -> list[dict]:
+    """Start the server ``cmd`` (listening on ``port``; ``env``: its environment;
+    ``preexec_fn``: run in the child before it starts), bench it ``repeat`` times with the
+    scenario's workload once it is healthy, stop it (SIGTERM); returns the measured runs,
+    labelled ``label``. With ``iterations``, the server's iteration record (``GET
+    /iterations``, where it has one) is written there as JSON lines; ``before_stop(url)`` runs
+    after the benches, while the server is still up."""
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=preexec_fn)
         url = f"http://127.0.0.1:{port}"
         try:
             try:
@@ -103,6 +109,8 @@ def serve_and_bench(cmd: list[str], port: int, sc: Scenario, label: str, log: Pa
             runs = [asyncio.run(bench(url, sc, label=label))[0]["runs"][0] for _ in range(repeat)]
             if iterations is not None:
                 save_iterations(url, iterations)
+            if before_stop is not None:
+                before_stop(url)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

@@ -103,8 +103,6 @@ class SchedulerConfig:
                 f"scheduler.waiting_work must be one of {', '.join(WAITING_WORK_MODES)}, "
                 f"got {self.waiting_work!r}"
             )
-        # read per request on the hot path: resolved once (not a field: copies recompute it)
-        object.__setattr__(self, "_count_output", self.counted_work == "prompt+output")
 
     @property
     def counted_work(self) -> str:
@@ -115,4 +113,4 @@ class SchedulerConfig:
 
     @property
     def count_waiting_output(self) -> bool:
-        return self._count_output
+        return self.counted_work == "prompt+output"
