@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orthrus_sim.engine.batch import BatchUnit, ItemKind
+from orthrus_sim.engine.batch import DECODE, EMBED_CHUNK, PREFILL_CHUNK, BatchUnit, ItemKind
 
 
 @dataclass(slots=True)
@@ -40,7 +40,7 @@ class BatchShape:
                  samples: bool = False, adapter: bool = True) -> None:
         self.tokens += num_tokens
         self.num_seqs += 1
-        if kind is ItemKind.DECODE:
+        if kind is DECODE:
             self.decodes += 1
             self.decode_kv += context_len + 1
             self.sample_rows += 1
@@ -48,7 +48,7 @@ class BatchShape:
         self.chunk_tokens += num_tokens
         self.chunk_pairs += num_tokens * (context_len + (num_tokens + 1) / 2)
         self.chunk_kv += context_len + num_tokens
-        if kind is ItemKind.EMBED_CHUNK:
+        if kind is EMBED_CHUNK:
             self.pooled_rows += num_tokens
             if adapter:
                 self.lora_rows += num_tokens
@@ -58,14 +58,15 @@ class BatchShape:
     @classmethod
     def from_batch(cls, batch: BatchUnit, adapter: bool = True) -> BatchShape:
         shape = cls()
-        decode = ItemKind.DECODE
+        add_item = shape.add_item
         items = batch.items
         first_decode = len(items)  # items are sorted by kind: decodes come last
         for i, it in enumerate(items):
-            if it.kind is decode:
+            kind = it.kind
+            if kind is DECODE:
                 first_decode = i
                 break
-            shape.add_item(it.kind, it.num_tokens, it.start, it.samples, adapter)
+            add_item(kind, it.num_tokens, it.start, kind is PREFILL_CHUNK and it.samples, adapter)
         n = len(items) - first_decode
         if n:  # the common case, in bulk
             shape.add_decodes(n, sum([it.start for it in items[first_decode:]]) + n)

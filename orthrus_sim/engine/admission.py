@@ -5,11 +5,11 @@ releasing and preempting a request does to the queues and the block manager
 
 from __future__ import annotations
 
-from orthrus_sim.engine.batch import BatchItem, ItemKind
+from orthrus_sim.engine.batch import EMBED_CHUNK, BatchItem
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.kv_cache import BlockManager
 from orthrus_sim.engine.queues import EMBEDDING, GENERATION, Queues, insert_in_order
-from orthrus_sim.engine.request import Request, RequestKind, RequestState
+from orthrus_sim.engine.request import FINISHED, RUNNING, Request, RequestKind, RequestState
 
 
 class KVAdmission(Queues):
@@ -36,13 +36,16 @@ class KVAdmission(Queues):
                 f"input_len + max_output_tokens = {total} exceeds the model's maximum length "
                 f"{cfg.max_model_len}"
             )
-        stored = self.embed_kv_tokens(request) if request.is_embedding else total
-        if self.blocks.blocks_for(stored) > self.blocks.num_blocks:
-            return (
-                f"{stored} tokens of keys and values need {self.blocks.blocks_for(stored)} KV "
-                f"blocks but the cache holds {self.blocks.num_blocks}"
-            )
-        if request.is_embedding and cfg.chunk_size is None and request.input_len > cfg.token_budget:
+        embedding = request.is_embedding
+        blocks = self.blocks
+        if blocks.blocks_for(total) > blocks.num_blocks:  # an embedding stores at most its input
+            stored = self.embed_kv_tokens(request) if embedding else total
+            if blocks.blocks_for(stored) > blocks.num_blocks:
+                return (
+                    f"{stored} tokens of keys and values need {blocks.blocks_for(stored)} KV "
+                    f"blocks but the cache holds {blocks.num_blocks}"
+                )
+        if embedding and cfg.chunk_size is None and request.input_len > cfg.token_budget:
             return (
                 f"input_len {request.input_len} exceeds the token budget {cfg.token_budget} and "
                 "embeddings are not chunked (scheduler.chunk_size is null)"
@@ -57,18 +60,21 @@ class KVAdmission(Queues):
         one-chunk (or atomic) embedding needs no blocks. A chunk cut shorter than planned (the
         iteration-time target) moves the last chunk later; ``schedule_embedding`` then grows
         the blocks (``_embed_chunk_kv``)."""
-        if self.config.embedding_kv == "all":
+        cfg = self.config
+        if cfg.embedding_kv == "all":
             return request.input_len
         done = request.num_computed
         left = request.input_len - done
-        size = self.config.chunk_size or left
-        return done + max(0, left - 1) // size * size
+        if left <= 1:
+            return done
+        size = cfg.chunk_size or left
+        return done + (left - 1) // size * size
 
     def writes_kv(self, item: BatchItem) -> bool:
         """Whether ``item`` stores its keys and values in the cache: every item but an
         embedding's last chunk under ``embedding_kv: read`` (nothing attends to that one's
         after the pass). Executors write the slots of exactly these items."""
-        return (item.kind is not ItemKind.EMBED_CHUNK or self.config.embedding_kv == "all"
+        return (item.kind is not EMBED_CHUNK or self.config.embedding_kv == "all"
                 or item.end < item.request.input_len)
 
     def _embed_slots_full(self) -> bool:
@@ -77,8 +83,11 @@ class KVAdmission(Queues):
 
     def _kv_allows(self, blocks: int, request_id: str) -> bool:
         """Admission test: ``blocks`` fit beside what is held back for other requests."""
-        held_for_others = self._held_back - self._held_for.get(request_id, 0)
-        return blocks <= self.blocks.num_free - held_for_others
+        held = self._held_back
+        if held:
+            held -= self._held_for.get(request_id, 0)
+        manager = self.blocks
+        return blocks <= len(manager._free) - manager.virtual - held  # num_free, inlined
 
     def _final_blocks(self, request: Request) -> int:
         """Blocks a generation request will hold at its expected end."""
@@ -111,28 +120,32 @@ class KVAdmission(Queues):
         return sum(held(rid) for rid in self._embeds_holding)
 
     def _admit(self, request: Request, num_tokens: int, now: float) -> None:
-        if not self.blocks.grow(request.request_id, num_tokens):
-            raise RuntimeError(f"request {request.request_id}: admitted without free blocks")
-        request.transition(RequestState.RUNNING)
+        rid = request.request_id
+        if num_tokens and not self.blocks.grow(rid, num_tokens):
+            raise RuntimeError(f"request {rid}: admitted without free blocks")
+        request.transition(RUNNING)
         if request.admitted_at is None:
             request.admitted_at = now
-        self._holding[request.request_id] = request
+        self._holding[rid] = request
         if request.is_embedding:
-            self._embeds_holding[request.request_id] = request
+            self._embeds_holding[rid] = request
         self._unqueue_work(request)
 
     def _release(self, request: Request) -> None:
         rid = request.request_id
         self.blocks.free(rid)
         held = self._holding.pop(rid, None) is not None
-        self._embeds_holding.pop(rid, None)
         self._requests.pop(rid, None)
-        self._running_order.pop(rid, None)
-        self._unqueue_work(request)
+        if not held:  # only a request holding no blocks has queued work
+            self._unqueue_work(request)
         if request.is_embedding:
-            if request in self._embeddings:
+            self._embeds_holding.pop(rid, None)
+            try:
                 self._embeddings.remove(request)
+            except ValueError:
+                pass  # never queued here
         else:  # a request holding blocks is among the running, one holding none waits
+            self._running_order.pop(rid, None)
             for queue in (self._running, self._prefilling) if held else (self._waiting_gen,):
                 try:
                     queue.remove(request)
@@ -141,7 +154,7 @@ class KVAdmission(Queues):
 
     def _finish(self, request: Request, now: float) -> None:
         self._release(request)
-        request.transition(RequestState.FINISHED)
+        request.transition(FINISHED)
         request.finished_at = now
 
     def _preempt(self, victim: Request) -> None:

@@ -19,6 +19,9 @@ class ItemKind(enum.IntEnum):
     DECODE = 2
 
 
+EMBED_CHUNK, PREFILL_CHUNK, DECODE = ItemKind.EMBED_CHUNK, ItemKind.PREFILL_CHUNK, ItemKind.DECODE
+
+
 @dataclass(slots=True)
 class BatchItem:
     """``num_tokens`` tokens of ``request`` starting at sequence position ``start``.
@@ -43,7 +46,7 @@ class BatchItem:
     @property
     def samples(self) -> bool:
         """True where the forward pass must produce a next token for this item."""
-        return self.kind is not ItemKind.EMBED_CHUNK and self.end == self.request.seq_len
+        return self.kind is not EMBED_CHUNK and self.end == self.request.seq_len
 
 
 _KIND = attrgetter("kind")
@@ -73,11 +76,12 @@ class BatchUnit:
         if request.request_id == self.reserved_for:
             self.reserve(None, 0)  # the claimant takes its reserved tokens
         item = BatchItem(request, kind, request.num_computed, num_tokens)
-        if self.items and self.items[-1].kind > kind:
+        items = self.items
+        if items and items[-1].kind > kind:
             self._sorted = False
-        if kind is ItemKind.DECODE:
+        if kind is DECODE:
             self.num_decodes += 1
-        self.items.append(item)
+        items.append(item)
         self.total_tokens += num_tokens
         return item
 

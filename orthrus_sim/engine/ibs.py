@@ -19,7 +19,7 @@ from orthrus_sim.engine.batch import BatchUnit
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.iteration_target import IterationTimePredictor
 from orthrus_sim.engine.policy import Policy
-from orthrus_sim.engine.request import RequestState
+from orthrus_sim.engine.request import WAITING
 
 
 @dataclass
@@ -40,19 +40,20 @@ class Credits:
                embed_able: bool, gen_able: bool) -> None:
         """``side`` scheduled ``tokens``: it pays them, and the sides able to go this turn are
         paid in proportion to their weights (so the credits' sum does not drift)."""
+        embed, gen = self.embed, self.gen
         if side == "e":
-            self.embed -= tokens
+            embed -= tokens
         else:
-            self.gen -= tokens
+            gen -= tokens
         total = (we if embed_able else 0.0) + (wg if gen_able else 0.0)
         if total > 0:
             if embed_able:
-                self.embed += tokens * we / total
+                embed += tokens * we / total
             if gen_able:
-                self.gen += tokens * wg / total
-        lim = self.limit
-        self.embed = min(lim, max(-lim, self.embed))
-        self.gen = min(lim, max(-lim, self.gen))
+                gen += tokens * wg / total
+        lim = self.limit  # clamped to [-lim, lim] (once an iteration per item: no min/max calls)
+        self.embed = lim if embed > lim else -lim if embed < -lim else embed
+        self.gen = lim if gen > lim else -lim if gen < -lim else gen
 
 
 class IBSPolicy(Policy):
@@ -107,7 +108,7 @@ class IBSPolicy(Policy):
         grow first and are never restricted: evicting a generation for an embedding's blocks
         cost ~7 % throughput in ``scenarios/kv_pressure.yaml`` (docs/scheduler.md)."""
         head = self.next_embedding()
-        if head is None or head.state is not RequestState.WAITING or self._embed_slots_full():
+        if head is None or head.state is not WAITING or self._embed_slots_full():
             return
         need = self.blocks.blocks_for(self.embed_kv_tokens(head))
         share = self.blocks.num_blocks * we / (we + wg)

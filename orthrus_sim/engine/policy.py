@@ -32,11 +32,11 @@ from __future__ import annotations
 import abc
 from collections.abc import Collection
 
-from orthrus_sim.engine.batch import BatchUnit, ItemKind
+from orthrus_sim.engine.batch import DECODE, EMBED_CHUNK, BatchUnit
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.iteration_target import IterationTarget, IterationTimePredictor
 from orthrus_sim.engine.queues import EMBEDDING, GENERATION, insert_in_order
-from orthrus_sim.engine.request import Request, RequestKind, RequestState
+from orthrus_sim.engine.request import RUNNING, WAITING, Request, RequestKind, RequestState
 from orthrus_sim.engine.snapshot import PolicySnapshot, take_snapshot
 from orthrus_sim.engine.steps import SchedulingSteps
 
@@ -78,18 +78,20 @@ class Policy(SchedulingSteps, abc.ABC):
     # ----- the interface -----------------------------------------------------------------
     def add(self, request: Request, now: float = 0.0) -> bool:
         """Queue a request; rejects (and returns False) one that could never be served."""
-        if request.request_id in self._requests:
-            raise ValueError(f"request id {request.request_id!r} is already here "
-                             f"({self._requests[request.request_id].state.value}): ids must be unique")
-        if request.state is not RequestState.WAITING:
-            raise ValueError(f"request {request.request_id}: only a waiting request can be added, "
+        rid = request.request_id
+        requests = self._requests
+        if rid in requests:
+            raise ValueError(f"request id {rid!r} is already here "
+                             f"({requests[rid].state.value}): ids must be unique")
+        if request.state is not WAITING:
+            raise ValueError(f"request {rid}: only a waiting request can be added, "
                              f"this one is {request.state.value}")
         reason = self._reject_reason(request)
         if reason is not None:
             request.reject(reason)
             request.finished_at = now
             return False
-        self._requests[request.request_id] = request
+        requests[rid] = request
         request.ready_since = now
         self._added += 1
         request.order = (request.arrival_time, self._added)
@@ -108,8 +110,8 @@ class Policy(SchedulingSteps, abc.ABC):
         """Apply a finished forward pass; ``stopped`` names generation requests that hit a stop."""
         self.iterations += 1
         left: list[Request] = []
-        running = RequestState.RUNNING
-        embed_chunk, decode = ItemKind.EMBED_CHUNK, ItemKind.DECODE
+        running = RUNNING
+        embed_chunk, decode = EMBED_CHUNK, DECODE
         hands_off = type(self)._hands_off is not Policy._hands_off
         cohort = self._cohort
         joining: list[Request] = []  # decodes that join the cohort after this iteration
@@ -144,7 +146,7 @@ class Policy(SchedulingSteps, abc.ABC):
                 left.append(req)
             elif hands_off and self._hands_off(req):
                 self._release(req)
-                req.transition(RequestState.WAITING)
+                req.transition(WAITING)
                 left.append(req)
             elif cohort is not None:
                 joining.append(req)

@@ -36,10 +36,15 @@ class RequestState(enum.Enum):
 
     __hash__ = object.__hash__  # as RequestKind's
 
-    @property
-    def is_final(self) -> bool:
-        return self in (RequestState.FINISHED, RequestState.ABORTED, RequestState.REJECTED)
+    def __init__(self, value: str) -> None:
+        # a plain attribute, read on every scheduling step (a property costs ~20x more)
+        self.is_final = value in ("finished", "aborted", "rejected")
 
+
+_GENERATION = RequestKind.GENERATION
+# Members as module constants for the scheduling steps: a global read is several times
+# cheaper than an enum class's attribute
+WAITING, RUNNING, FINISHED = RequestState.WAITING, RequestState.RUNNING, RequestState.FINISHED
 
 # Legal state changes; anything else is a scheduler bug and raises.
 _TRANSITIONS = {
@@ -53,6 +58,24 @@ _TRANSITIONS = {
     RequestState.ABORTED: set(),
     RequestState.REJECTED: set(),
 }
+
+
+def _output_left(expected: int, generated: int) -> int:
+    """Expected decodes not yet run: the first token comes with the prompt's last chunk."""
+    left = expected - (generated if generated > 1 else 1)
+    return left if left > 0 else 0
+
+
+def _kind_of(rid: str, kind: Any) -> RequestKind:
+    """A request kind given as its name ('embedding', 'generation'); anything else is refused."""
+    if isinstance(kind, RequestKind):
+        return kind
+    if isinstance(kind, str):
+        try:
+            return RequestKind(kind)
+        except ValueError:
+            pass
+    raise ValueError(f"request {rid}: kind must be 'embedding' or 'generation', got {kind!r}")
 
 
 def _count(rid: str, name: str, value: Any, minimum: int, what: str = "") -> int:
@@ -98,44 +121,42 @@ class Request:
     first_chunk_at: float | None = field(default=None, init=False)
     first_token_at: float | None = field(default=None, init=False)
     finished_at: float | None = field(default=None, init=False)
+    # ``kind is EMBEDDING``, kept as a field: read several times per request per step
+    is_embedding: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         rid = self.request_id
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
-        if type(self.kind) is RequestKind:
-            pass
-        elif isinstance(self.kind, str):
-            try:
-                self.kind = RequestKind(self.kind)
-            except ValueError:
-                raise ValueError(
-                    f"request {rid}: kind must be 'embedding' or 'generation', got {self.kind!r}"
-                ) from None
-        elif not isinstance(self.kind, RequestKind):
-            raise ValueError(
-                f"request {rid}: kind must be 'embedding' or 'generation', got {self.kind!r}")
+        kind = self.kind
+        if type(kind) is not RequestKind:
+            kind = self.kind = _kind_of(rid, kind)
         arrival = self.arrival_time
         if type(arrival) is not float and (isinstance(arrival, bool)
                                            or not isinstance(arrival, numbers.Real)) \
-                or not math.isfinite(arrival) or arrival < 0:
+                or not 0 <= arrival < math.inf:  # a NaN fails the comparison too
             raise ValueError(
                 f"request {rid}: arrival_time must be a finite number >= 0, got {arrival!r}")
-        self.arrival_time = float(arrival)
-        self.input_len = _count(rid, "input_len", self.input_len, minimum=1)
-        if self.token_ids is not None and self.input_len != len(self.token_ids):
+        arrival = self.arrival_time = float(arrival)
+        self.ready_since = arrival
+        n_in = self.input_len
+        if type(n_in) is not int or n_in < 1:
+            n_in = self.input_len = _count(rid, "input_len", n_in, minimum=1)
+        if self.token_ids is not None and n_in != len(self.token_ids):
             raise ValueError(
-                f"request {rid}: input_len={self.input_len} but "
-                f"{len(self.token_ids)} token_ids were given"
-            )
-        if self.kind is RequestKind.GENERATION:
-            self.max_output_tokens = _count(rid, "max_output_tokens", self.max_output_tokens,
-                                            minimum=1, what="for a generation request")
+                f"request {rid}: input_len={n_in} but {len(self.token_ids)} token_ids were given")
+        if kind is _GENERATION:
+            n_out = self.max_output_tokens
+            if type(n_out) is not int or n_out < 1:
+                n_out = self.max_output_tokens = _count(rid, "max_output_tokens", n_out,
+                                                        minimum=1, what="for a generation request")
         else:
-            if self.max_output_tokens != 0:
+            self.is_embedding = True
+            n_out = self.max_output_tokens
+            if n_out != 0:
                 raise ValueError(
                     f"request {rid}: max_output_tokens must be 0 for an embedding "
-                    f"request, got {self.max_output_tokens!r}"
+                    f"request, got {n_out!r}"
                 )
             if self.pooling not in POOLING_HEADS:
                 raise ValueError(
@@ -143,16 +164,12 @@ class Request:
                     f"known heads: {', '.join(POOLING_HEADS)}"
                 )
         if self.expected_output_tokens is None:
-            self.expected_output_tokens = self.max_output_tokens
+            self.expected_output_tokens = n_out
         else:
             self.expected_output_tokens = _count(rid, "expected_output_tokens",
                                                  self.expected_output_tokens, minimum=0)
-        self.ready_since = self.arrival_time
 
     # ----- derived progress -------------------------------------------------------------
-    @property
-    def is_embedding(self) -> bool:
-        return self.kind is RequestKind.EMBEDDING
 
     @property
     def seq_len(self) -> int:
@@ -162,7 +179,7 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         """Tokens not yet in the KV cache (1 for a decode)."""
-        return self.seq_len - self.num_computed
+        return self.input_len + self.num_generated - self.num_computed
 
     @property
     def is_decode(self) -> bool:
@@ -170,9 +187,9 @@ class Request:
 
     def remaining_work(self, count_output: bool) -> int:
         """Tokens still to process: uncomputed tokens, plus expected decodes if asked."""
-        work = self.num_uncomputed
+        work = self.input_len + self.num_generated - self.num_computed
         if count_output and not self.is_embedding:
-            work += max(0, self.expected_output_tokens - max(self.num_generated, 1))
+            work += _output_left(self.expected_output_tokens, self.num_generated)
         return work
 
     def waiting_work(self, count_output: bool) -> int:
@@ -183,11 +200,12 @@ class Request:
         arrival, not the recompute of the tokens it already generated (docs/scheduler.md).
         ``count_output`` adds the expected output not yet generated.
         """
+        uncomputed = self.input_len + self.num_generated - self.num_computed
         if self.is_embedding:
-            return self.num_uncomputed
-        work = min(self.num_uncomputed, self.input_len)
+            return uncomputed
+        work = uncomputed if uncomputed < self.input_len else self.input_len
         if count_output:
-            work += max(0, self.expected_output_tokens - max(self.num_generated, 1))
+            work += _output_left(self.expected_output_tokens, self.num_generated)
         return work
 
     # ----- state machine ------------------------------------------------------------------

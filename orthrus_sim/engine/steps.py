@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from orthrus_sim.engine.admission import KVAdmission
-from orthrus_sim.engine.batch import BatchItem, BatchUnit, ItemKind
+from orthrus_sim.engine.batch import DECODE, EMBED_CHUNK, PREFILL_CHUNK, BatchItem, BatchUnit
 from orthrus_sim.engine.cohort import DecodeCohort
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.iteration_target import IterationTarget
 from orthrus_sim.engine.queues import EMBEDDING, GENERATION
-from orthrus_sim.engine.request import Request, RequestKind, RequestState
+from orthrus_sim.engine.request import RUNNING, WAITING, Request, RequestKind
 
 
 class SchedulingSteps(KVAdmission):
@@ -149,8 +149,8 @@ class SchedulingSteps(KVAdmission):
         in_batch = self._in_batch
         check_batch = bool(in_batch)  # usually empty: decodes are scheduled first
         mark = in_batch.add
-        running = RequestState.RUNNING
-        decode = ItemKind.DECODE
+        running = RUNNING
+        decode = DECODE
         item = BatchItem
         ready: list[BatchItem] = []
         append = ready.append
@@ -200,18 +200,25 @@ class SchedulingSteps(KVAdmission):
         """One chunk of ``request`` (``schedule_one(Qe, B)``): its tokens, or 0 if it cannot go
         this iteration (already in the batch, no request slot, no KV blocks, or the chunk does
         not fit the budget left: chunks are never split; that one claims the next batch).
-        Admission takes the blocks of every chunk but the last (``embed_kv_tokens``)."""
+        Admission takes the blocks of every chunk but the last (``embed_kv_tokens``).
+        (Runs once per embedding chunk, hence the inlined arithmetic.)"""
         rid = request.request_id
         if rid in self._in_batch or request.state.is_final:
             return 0
-        n = self._embed_chunk_len(request)
-        waiting = request.state is RequestState.WAITING
-        need = 0
+        cfg = self.config
+        start, input_len = request.num_computed, request.input_len
+        n = input_len - start  # an embedding generates nothing: its uncomputed tokens
+        if cfg.chunk_size is not None and cfg.chunk_size < n:
+            n = cfg.chunk_size
+        waiting = request.state is WAITING
+        need = kv_tokens = 0
         if waiting:
-            if self._embed_slots_full():
+            if cfg.max_num_embeds is not None and len(self._embeds_holding) >= cfg.max_num_embeds:
                 return 0
-            need = self.blocks.blocks_for(self.embed_kv_tokens(request))
-            if not (self._kv_allows(need, rid) and self._reserve_fits(need, rid)):
+            kv_tokens = self.embed_kv_tokens(request)
+            need = self.blocks.blocks_for(kv_tokens)
+            if not (self._kv_allows(need, rid) and (cfg.kv_admission != "reserve"
+                                                   or self._reserve_fits(need, rid))):
                 self._hold_back(rid, need)
                 return 0
         if n > batch.budget_for(rid):
@@ -221,19 +228,20 @@ class SchedulingSteps(KVAdmission):
                 self._hold_back(rid, need)
             return 0
         if self.target is not None:
-            n = self.target.tokens_within(batch, request, ItemKind.EMBED_CHUNK, n)
+            n = self.target.tokens_within(batch, request, EMBED_CHUNK, n)
             if not n:
                 return 0  # beside these decodes no chunk meets the target: it waits
-        n = self._embed_chunk_kv(request, n, need)
-        if not n:
-            return 0
-        end = request.num_computed + n
-        stores = end if end < request.input_len else 0  # the last chunk stores nothing
+        if start + n < input_len:  # not its last chunk: its keys and values are stored
+            n = self._embed_chunk_kv(request, n, need)
+            if not n:
+                return 0
+        end = start + n
+        stores = end if end < input_len else 0  # the last chunk stores nothing
         if waiting:
-            self._admit(request, max(self.embed_kv_tokens(request), stores), now)
-        elif not self.blocks.grow(rid, stores):
+            self._admit(request, kv_tokens if kv_tokens > stores else stores, now)
+        elif stores and not self.blocks.grow(rid, stores):
             raise RuntimeError(f"request {rid}: embedding chunk scheduled without its blocks")
-        batch.add(request, ItemKind.EMBED_CHUNK, n)
+        batch.add(request, EMBED_CHUNK, n)
         self._in_batch.add(rid)
         return n
 
@@ -251,7 +259,7 @@ class SchedulingSteps(KVAdmission):
         if end >= request.input_len or self.config.embedding_kv == "all":
             return n
         rid = request.request_id
-        waiting = request.state is RequestState.WAITING
+        waiting = request.state is WAITING
         base = need if waiting else self.blocks.held(rid)
         extra = self.blocks.blocks_for(end) - base
         if extra <= 0:
@@ -276,18 +284,21 @@ class SchedulingSteps(KVAdmission):
         if left <= 0:
             return 0
         if self.target is not None and not request.is_decode:
-            left = self.target.tokens_within(batch, request, ItemKind.PREFILL_CHUNK,
+            left = self.target.tokens_within(batch, request, PREFILL_CHUNK,
                                              min(request.num_uncomputed, left))
             if not left:
                 return 0
-        if request.state is RequestState.WAITING:
-            if len(self._running) >= self.config.max_num_seqs:
+        if request.state is WAITING:
+            cfg = self.config
+            if len(self._running) >= cfg.max_num_seqs:
                 return 0
-            if not self._kv_allows(self.blocks.extra_blocks(rid, request.seq_len), rid):
+            seq_len = request.input_len + request.num_generated
+            if not self._kv_allows(self.blocks.extra_blocks(rid, seq_len), rid):
                 return 0
-            if not self._reserve_fits(self._final_blocks(request), rid):
+            if cfg.kv_admission == "reserve" and not self._reserve_fits(
+                    self._final_blocks(request), rid):
                 return 0
-            self._admit(request, request.seq_len, now)
+            self._admit(request, seq_len, now)
             self._waiting_gen.remove(request)
             self._running.append(request)
             self._admissions += 1
@@ -299,15 +310,18 @@ class SchedulingSteps(KVAdmission):
     def _add_prompt_chunk(self, batch: BatchUnit, request: Request, limit: int | None = None) -> int:
         """An admitted request's next tokens, chunked to the budget left (or its decode) and,
         with an iteration-time target, to what meets it (``limit``: already so cut)."""
-        n = min(request.num_uncomputed, batch.budget_for(request.request_id))
+        rid = request.request_id
+        uncomputed = request.input_len + request.num_generated - request.num_computed
+        decode = uncomputed == 1 and request.num_generated > 0  # ``is_decode``
+        n = min(uncomputed, batch.budget_for(rid))
         if limit is not None:
             n = min(n, limit)
-        elif self.target is not None and n > 0 and not request.is_decode:
-            n = self.target.tokens_within(batch, request, ItemKind.PREFILL_CHUNK, n)
+        elif self.target is not None and n > 0 and not decode:
+            n = self.target.tokens_within(batch, request, PREFILL_CHUNK, n)
         if n <= 0:
             return 0
-        batch.add(request, ItemKind.DECODE if request.is_decode else ItemKind.PREFILL_CHUNK, n)
-        self._in_batch.add(request.request_id)
+        batch.add(request, DECODE if decode else PREFILL_CHUNK, n)
+        self._in_batch.add(rid)
         return n
 
     def fill_fcfs(self, batch: BatchUnit, now: float, kinds: Iterable[RequestKind]) -> int:
@@ -332,8 +346,3 @@ class SchedulingSteps(KVAdmission):
                 break
             used += n
         return used
-
-    def _embed_chunk_len(self, request: Request) -> int:
-        size = self.config.chunk_size
-        remaining = request.num_uncomputed
-        return remaining if size is None else min(size, remaining)

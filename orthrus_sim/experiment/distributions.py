@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -25,6 +26,11 @@ class _Dist(BaseModel):
     def sample(self, rng: np.random.Generator) -> int:
         raise NotImplementedError
 
+    def sampler(self) -> Callable[[np.random.Generator], int]:
+        """``sample`` as a function (a workload draws once per request: a fixed length is a
+        constant, not a validation-checked clip every time)."""
+        return self.sample
+
     @property
     def mean(self) -> float:
         raise NotImplementedError
@@ -36,6 +42,10 @@ class Fixed(_Dist):
 
     def sample(self, rng):
         return self._clip(self.value)
+
+    def sampler(self):
+        value = self._clip(self.value)
+        return lambda rng: value
 
     @property
     def mean(self):

@@ -44,10 +44,11 @@ class Quantiles:
     def add(self, x: float) -> None:
         self._count += 1
         self._sum += x
-        if self._values is not None:
-            self._values.append(x)
-            if len(self._values) > self._exact_cap:
-                values, self._values = self._values, None
+        values = self._values
+        if values is not None:
+            values.append(x)
+            if len(values) > self._exact_cap:
+                self._values = None
                 for v in values:
                     self._bucket(v)
             return

@@ -30,6 +30,8 @@ KINDS = ("embedding", "generation")
 MIN_COMPLETIONS = 30  # fewer in the window: a warning (a p99 needs more)
 MIN_LIFETIMES = 3.0  # a window shorter than this many mean latencies: a warning
 EPS = 1e-9
+GENERATION = RequestKind.GENERATION
+FINISHED, REJECTED = RequestState.FINISHED, RequestState.REJECTED
 
 
 def request_row(req: Request) -> dict:
@@ -99,7 +101,7 @@ class RequestLog:
         self.slo = SloTally(slo, start, end_hint) if slo is not None else None
 
     def sent(self, req: Request, phase: int | None = None) -> None:
-        kind = req.kind.value
+        kind = req.kind._value_  # the member's value, without Enum's property (twice a request)
         self.issued[kind] += 1
         if req.arrival_time >= self.start - EPS:
             self.arrived[kind] += 1
@@ -114,36 +116,42 @@ class RequestLog:
 
     def ended(self, req: Request) -> None:
         """``req`` finished or was rejected."""
-        if self.end_hint is not None and req.finished_at is not None \
-                and req.finished_at > self.end_hint + EPS:
+        finished = req.finished_at
+        if self.end_hint is not None and finished is not None and finished > self.end_hint + EPS:
             return  # after the window: it stays outstanding, counted unfinished at the close
-        self.outstanding.pop(req.request_id, None)
-        kind = req.kind.value
-        phase = self._phase_of.pop(req.request_id, None)
+        rid = req.request_id
+        self.outstanding.pop(rid, None)
+        kind = req.kind._value_
+        phase = self._phase_of.pop(rid, None) if self._phase_of else None
         if self.slo is not None:
             self.slo.ended(req)
-        if req.state is RequestState.REJECTED:
+        state = req.state
+        if state is REJECTED:
             self.rejected[kind] += 1
-        elif req.state is RequestState.FINISHED:
-            self.last_finish = max(self.last_finish, req.finished_at)
+        elif state is FINISHED:
+            if finished > self.last_finish:
+                self.last_finish = finished
             if phase is not None:
                 ph = self.phases[phase]
                 ph["completed"] += 1
-                if ph["last_finish_s"] is None or req.finished_at > ph["last_finish_s"]:
-                    ph["last_finish_s"] = req.finished_at
-            if req.finished_at >= self.start - EPS:
+                if ph["last_finish_s"] is None or finished > ph["last_finish_s"]:
+                    ph["last_finish_s"] = finished
+            start = self.start - EPS
+            if finished >= start:
                 self.completed[kind] += 1
                 self.output_tokens += req.num_generated
-            if req.arrival_time >= self.start - EPS:
-                self.latency[kind].add(req.finished_at - req.arrival_time)
+            arrival = req.arrival_time
+            if arrival >= start:
+                self.latency[kind].add(finished - arrival)
                 if req.admitted_at is not None:  # a live client does not see admission
-                    self.admission[kind].add(req.admitted_at - req.arrival_time)
-                if req.kind is RequestKind.GENERATION and req.first_token_at is not None:
-                    self.latency["ttft"].add(req.first_token_at - req.arrival_time)
+                    self.admission[kind].add(req.admitted_at - arrival)
+                if req.first_token_at is not None and req.kind is GENERATION:
+                    self.latency["ttft"].add(req.first_token_at - arrival)
                     tpot = request_tpot(req)
                     if tpot is not None:
                         self.latency["tpot"].add(tpot)
-        self._row(req, phase)
+        if self._rows is not None or self._sample_cap != 0:
+            self._row(req, phase)
 
     def _row(self, req: Request, phase: int | None) -> None:
         slot = self._sample_slot()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -53,23 +53,40 @@ def mix_on(h: int, values) -> int:
     return h
 
 
-@dataclass(frozen=True)
 class Tokens:
     """Token ids as seeded segments ``(seed, skip, length)``: segment ids are the draws
-    ``skip .. skip+length`` of ``default_rng(seed)`` in ``[FIRST_TOKEN_ID, vocab)``."""
+    ``skip .. skip+length`` of ``default_rng(seed)`` in ``[FIRST_TOKEN_ID, vocab)``.
 
-    segments: tuple[tuple[int, int, int], ...] = ()
+    A value: never changed once made (every operation returns a new one). A plain slotted
+    class, not a frozen dataclass: one is made per request, and a frozen dataclass's
+    ``__init__`` costs several times as much."""
+
+    __slots__ = ("segments", "length")
+
+    def __init__(self, segments: tuple[tuple[int, int, int], ...] = ()) -> None:
+        self.segments = segments
+        self.length = sum(n for _, _, n in segments)
 
     @classmethod
     def seeded(cls, seed: int, length: int) -> Tokens:
-        return cls(((seed, 0, length),)) if length > 0 else cls()
-
-    @property
-    def length(self) -> int:
-        return sum(n for _, _, n in self.segments)
+        if length <= 0:
+            return cls()
+        tokens = object.__new__(cls)
+        tokens.segments = ((seed, 0, length),)
+        tokens.length = length
+        return tokens
 
     def __len__(self) -> int:
         return self.length
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Tokens and other.segments == self.segments
+
+    def __hash__(self) -> int:
+        return hash(self.segments)
+
+    def __repr__(self) -> str:
+        return f"Tokens(segments={self.segments!r})"
 
     def __add__(self, other: Tokens) -> Tokens:
         return Tokens(self.segments + other.segments)
@@ -96,8 +113,10 @@ class Tokens:
         return ids
 
 
-@dataclass(frozen=True)
-class RequestSpec:
+# The request and the actions are named tuples: immutable values made once per request, for a
+# fraction of a frozen dataclass's cost.
+
+class RequestSpec(NamedTuple):
     """One request as the workload defines it."""
 
     request_id: str
@@ -124,18 +143,15 @@ class Outcome:
     reason: str | None = None
 
 
-@dataclass(frozen=True)
-class Wait:
+class Wait(NamedTuple):
     seconds: float
 
 
-@dataclass(frozen=True)
-class WaitUntil:
+class WaitUntil(NamedTuple):
     time: float
 
 
-@dataclass(frozen=True)
-class Send:
+class Send(NamedTuple):
     spec: RequestSpec
     wait: bool = True
 
@@ -247,6 +263,9 @@ class Workload:
             (p.requests if self._by_count else p.duration_s) for p in w.phases))
         self._corpus: list[Tokens] | None = None
         self._client_seeds: dict[str, int] = {}
+        self._prompt_length = w.generation_prompt.sampler()
+        self._output_length = w.generation_output.sampler()
+        self._embedding_length = w.embedding_input.sampler()
 
     def _client_seed(self, client: str) -> int:
         """``mix`` of the seed and the client's name: the prefix of its requests' token seeds."""
@@ -278,7 +297,7 @@ class Workload:
         if self._by_count and self.units >= self._phase_ends[-1]:
             return False
         self.units += 1
-        return self.phase()
+        return self.phase() if self._phase_ends else None
 
     def _share(self, pool: Pool, phase: int | None) -> float:
         if pool.generation_share is not None:
@@ -297,19 +316,22 @@ class Workload:
             self.specs.append(spec)
         return spec
 
-    def _draw(self, pool: Pool, rng: np.random.Generator, phase: int | None,
-              token_seed: int) -> tuple[RequestKind, Tokens, int]:
-        """Kind, input tokens and output length of one synthetic request."""
-        w = self.workload
+    def _request(self, pool: Pool, rng: np.random.Generator, client: str, seed: int, n: int,
+                 phase: int | None, intended: float | None = None) -> Send:
+        """Request ``n`` of ``client``, a synthetic one: its kind and lengths drawn from
+        ``rng``, its tokens seeded by ``seed`` (the client's prefix) and ``n``."""
         if pool.kind == "mixed":
             kind = GEN if rng.random() < self._share(pool, phase) else EMB
         else:
             kind = GEN if pool.kind == "generation" else EMB
         if kind is GEN:
-            n_in, n_out = w.generation_prompt.sample(rng), w.generation_output.sample(rng)
+            n_in, n_out = self._prompt_length(rng), self._output_length(rng)
         else:
-            n_in, n_out = w.embedding_input.sample(rng), 0
-        return kind, Tokens.seeded(token_seed, n_in), n_out
+            n_in, n_out = self._embedding_length(rng), 0
+        rid = f"{'e' if kind is EMB else 'g'}-{client}-{n}"
+        spec = self._spec(kind, Tokens.seeded(mix_on(seed, (n,)), n_in), n_out, rid, client,
+                          phase, intended)
+        return Send(spec, wait=intended is None)
 
     def corpus(self) -> list[Tokens]:
         """The Iter-RetGen retrieval corpus: seeded documents (the same in every run)."""
@@ -350,6 +372,8 @@ class Workload:
                      until: float | None) -> Client:
         name = f"p{tag}c{client}"
         rng = np.random.default_rng([self.seed, 1, mix(*map(ord, tag)), client])
+        seed = self._client_seed(name)
+        workflows = pool.kind == "workflow"
         if start > 0:
             yield WaitUntil(start)
         rejected, last_rejection = 0, None
@@ -357,7 +381,10 @@ class Workload:
             phase = self._start_unit(until)
             if phase is False:
                 return
-            outcome = yield from self._unit(pool, rng, name, n, phase)
+            if workflows:  # a unit of work is a whole workflow, else one request
+                outcome = yield from self._workflow(rng, name, n, phase)
+            else:
+                outcome = yield self._request(pool, rng, name, seed, n, phase)
             if outcome is not None and outcome.state == "rejected":
                 now = self.clock()
                 rejected = rejected + 1 if now == last_rejection or rejected == 0 else 1
@@ -372,19 +399,10 @@ class Workload:
             if pool.think_time_s:
                 yield Wait(float(rng.exponential(pool.think_time_s)))
 
-    def _unit(self, pool: Pool, rng: np.random.Generator, client: str, n: int,
-              phase: int | None, intended: float | None = None) -> Client:
-        """One unit of work of ``client``: a request, or a whole workflow."""
-        if pool.kind == "workflow":
-            return (yield from self._workflow(rng, client, n, phase))
-        kind, tokens, n_out = self._draw(pool, rng, phase, mix_on(self._client_seed(client), (n,)))
-        rid = f"{'e' if kind is EMB else 'g'}-{client}-{n}"
-        spec = self._spec(kind, tokens, n_out, rid, client, phase, intended)
-        return (yield Send(spec, wait=intended is None))
-
     def _open_loop(self, pool: Pool, tag: str, start: float, until: float | None) -> Client:
         name = f"p{tag}o"
         rng = np.random.default_rng([self.seed, 3, mix(*map(ord, tag))])
+        seed = self._client_seed(name)
         t = start
         for n in itertools.count():
             t += interarrival(pool, rng)
@@ -392,28 +410,28 @@ class Workload:
             phase = self._start_unit(until)
             if phase is False:
                 return
-            yield from self._pool_unit(pool, tag, name, rng, n, phase, intended=t)
+            yield self._pool_unit(pool, tag, name, seed, rng, n, phase, intended=t)
 
     def _burst(self, pool: Pool, tag: str, start: float, until: float | None) -> Client:
         name = f"p{tag}b"
         rng = np.random.default_rng([self.seed, 2, mix(*map(ord, tag))])
+        seed = self._client_seed(name)
         if start > 0:
             yield WaitUntil(start)
         for n in range(pool.count):
             phase = self._start_unit(until)
             if phase is False:
                 return
-            yield from self._pool_unit(pool, tag, name, rng, n, phase, intended=start)
+            yield self._pool_unit(pool, tag, name, seed, rng, n, phase, intended=start)
 
-    def _pool_unit(self, pool: Pool, tag: str, name: str, rng, n: int, phase,
-                   intended: float) -> Client:
+    def _pool_unit(self, pool: Pool, tag: str, name: str, seed: int, rng, n: int, phase,
+                   intended: float) -> Spawn | Send:
         """Unit ``n`` of an open-loop or burst pool: a workflow (spawned, so that it runs beside
         the pool) or one request."""
         if pool.kind == "workflow":
             wf_rng = np.random.default_rng([self.seed, 4, mix(*map(ord, tag)), n])
-            yield Spawn(f"{name}w{n}", self._workflow(wf_rng, f"{name}w{n}", 0, phase))
-        else:
-            yield from self._unit(pool, rng, name, n, phase, intended=intended)
+            return Spawn(f"{name}w{n}", self._workflow(wf_rng, f"{name}w{n}", 0, phase))
+        return self._request(pool, rng, name, seed, n, phase, intended)
 
     def _trace(self) -> Client:
         for n, row in enumerate(load_trace(self.workload.trace)):

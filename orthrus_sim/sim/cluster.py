@@ -25,11 +25,11 @@ def placement_log(router) -> dict | None:
 
 
 class Cluster:
-    """Replicas plus the router. ``on_done(request)`` fires when a request finished or was
-    rejected; Disagg-PD hand-offs travel to a decode replica first."""
+    """Replicas plus the router. ``on_done(request)`` (set before the run starts) fires when a
+    request finished or was rejected; Disagg-PD hand-offs travel to a decode replica first."""
 
     def __init__(self, env: simpy.Environment, scenario: Scenario, name: str,
-                 on_done: Callable[[Request], None], cost_factory=None,
+                 on_done: Callable[[Request], None] | None, cost_factory=None,
                  fast_forward: bool = True) -> None:
         self.env = env
         self.name = name

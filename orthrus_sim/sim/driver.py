@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import simpy
+from simpy import Event
 
 from orthrus_sim.engine.request import Request, RequestState
 from orthrus_sim.experiment.results import RequestLog
@@ -35,6 +36,7 @@ class SimDriver:
         self._submit = submit
         self.log = log
         self.workload = Workload(scenario, lambda: env.now, keep_specs)
+        self._pooling = scenario.embedding.pooling
         self.outstanding = 0
         self._running = 0  # client processes still alive
         self.all_done = env.event()  # every source ended and every request left
@@ -53,7 +55,8 @@ class SimDriver:
         self.log.ended(request)
         if request.payload is not None:  # a client waits for it
             request.payload.succeed(outcome_of(request))
-        self._check_done()
+        if not self.outstanding:
+            self._check_done()
 
     def _check_done(self) -> None:
         if self._running == 0 and self.outstanding == 0 and not self.all_done.triggered:
@@ -66,10 +69,10 @@ class SimDriver:
     def issue(self, send: Send) -> simpy.Event | None:
         """Submit the request; the event its client waits on (None when it does not wait)."""
         spec = send.spec
-        req = Request(spec.request_id, spec.kind, self.env.now, spec.input_len,
-                      max_output_tokens=spec.max_output_tokens,
-                      pooling=self.scenario.embedding.pooling)
-        req.payload = self.env.event() if send.wait else None
+        env = self.env
+        req = Request(spec.request_id, spec.kind, env.now, spec.tokens.length,
+                      spec.max_output_tokens, pooling=self._pooling)
+        req.payload = Event(env) if send.wait else None
         self.log.sent(req, spec.phase)
         self.outstanding += 1
         self._submit(req)
@@ -79,15 +82,14 @@ class SimDriver:
         return self.env.timeout(seconds)
 
     def spawn(self, client: Client) -> None:
+        """Start ``client`` as a SimPy process (``interpret`` itself, with no wrapper: every
+        resumption of a client passes one generator fewer); its end is counted when it ends."""
         self._running += 1
-        self.env.process(self._run(client))
+        self.env.process(interpret(client, self)).callbacks.append(self._client_ended)
 
     def retrieve(self, action: Retrieve) -> list[int]:
         return list(action.fallback)  # no vectors in a simulation
 
-    def _run(self, client: Client):
-        try:
-            yield from interpret(client, self)
-        finally:
-            self._running -= 1
-            self._check_done()
+    def _client_ended(self, _process: simpy.Process) -> None:
+        self._running -= 1
+        self._check_done()

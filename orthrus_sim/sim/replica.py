@@ -166,7 +166,6 @@ class Replica:
     def _take_inbox(self) -> None:
         """Between iterations: the requests that arrived during the last one enter, in the
         order they arrived."""
-        self._stepping = False
         inbox, self._inbox = self._inbox, []
         for request in inbox:
             self._enter(request)
@@ -224,7 +223,9 @@ class Replica:
     def run(self):
         env, policy, cost = self.env, self.policy, self.cost
         while True:
-            self._take_inbox()
+            self._stepping = False
+            if self._inbox:
+                self._take_inbox()
             batch = policy.schedule(env.now)
             if not batch:
                 self._wake = env.event()

@@ -67,11 +67,9 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
     sample = PLOT_SAMPLE if sink else (None if keep_rows else 0)
     log = RequestLog(scenario.warmup_s, sink, sample, scenario.duration_s, scenario.seed,
                      scenario.slo)
-    box: list[SimDriver] = []
-    cluster = Cluster(env, scenario, configuration, lambda r: box[0].request_done(r),
-                      cost_factory, fast_forward)
+    cluster = Cluster(env, scenario, configuration, None, cost_factory, fast_forward)
     driver = SimDriver(env, scenario, cluster.submit, log, keep_specs)
-    box.append(driver)
+    cluster.on_done = driver.request_done  # the two know each other: set once both exist
     driver.start()
     timeline: list[dict] = []
     env.process(_monitor(env, cluster, scenario.timeline_interval_s, timeline, progress,
