@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from orthrus_sim.engine.batch import BatchUnit
 from orthrus_sim.engine.policy import Policy
 from orthrus_sim.engine.request import Request, RequestKind
 
 _BOTH = (RequestKind.EMBEDDING, RequestKind.GENERATION)
+_READY = attrgetter("ready_since", "order")  # a request's place in Unified-Homo's FCFS
 
 
 class UnifiedHeteroPolicy(Policy):
@@ -36,11 +39,11 @@ class UnifiedHomoPolicy(Policy):
     clock_free = False
 
     def fill(self, batch: BatchUnit, now: float) -> None:
-        e_key = min(((r.ready_since, r.order) for r in self.embeddings()), default=None)
-        g_keys = [(r.ready_since, r.order) for r in self.running_generations()]
-        waiting = self.waiting_generations()
-        if waiting:
-            g_keys.append((waiting[0].ready_since, waiting[0].order))
+        e_key = min(map(_READY, self._embeddings), default=None)
+        self._sync_cohort()  # the running decodes' ready times, as they stand
+        g_keys = list(map(_READY, self._running))
+        if self._waiting_gen:
+            g_keys.append(_READY(self._waiting_gen[0]))
         g_key = min(g_keys, default=None)
         if e_key is None and g_key is None:
             return

@@ -52,7 +52,7 @@ class BatchItem:
 _KIND = attrgetter("kind")
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchUnit:
     """The items of one iteration. ``reserve`` sets tokens of the budget aside for one request
     (a budget claim, docs/scheduler.md): ``budget_left`` excludes them for everyone else, and

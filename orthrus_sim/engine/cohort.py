@@ -100,10 +100,11 @@ class DecodeCohort:
     def virtual_at(self, step: int) -> int:
         """The blocks the members need at ``step`` (each its tokens so far plus the next one)
         less their real ones: what the cohort holds as virtual blocks then."""
-        whole, part = divmod(step, self.bs)
-        total = self._units + len(self.members) * whole - self._held
+        bs = self.bs
+        part = step % bs
+        total = self._units + len(self.members) * (step // bs) - self._held
         if part:
-            total += sum(self._residues[self.bs - part:])
+            total += sum(self._residues[bs - part:])
         return total
 
     def decode_kv(self) -> int:

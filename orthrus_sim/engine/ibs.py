@@ -84,10 +84,10 @@ class IBSPolicy(Policy):
             gen = self.next_generation() if gen_on else None
             if emb is None and gen is None:
                 return
-            if gen is None:
-                side = "e"
-            elif emb is None:
-                side = "g"
+            if gen is None:  # scheduling embeddings adds no generation: none comes later
+                side, gen_on = "e", False
+            elif emb is None:  # nor the other way round
+                side, embed_on = "g", False
             else:
                 side = credits.pick(embed_first_on_tie=emb.order < gen.order)
             if side == "e":

@@ -53,7 +53,7 @@ class SchedulingSteps(KVAdmission):
         running decode is a member, all fit the budget and their next tokens' blocks fit (else
         None, the cohort settled, and the decodes go one by one: preemption, budget cuts)."""
         c = self._cohort
-        n = len(c)
+        n = len(c.members)
         if not n:
             return None
         in_batch = self._in_batch
@@ -102,11 +102,14 @@ class SchedulingSteps(KVAdmission):
                 and not claimant.state.is_final):
             return claimant
         q = self._embeddings
-        while self._embed_cursor < len(q):
-            req = q[self._embed_cursor]
+        i, n = self._embed_cursor, len(q)
+        while i < n:
+            req = q[i]
             if req.request_id not in in_batch:
+                self._embed_cursor = i
                 return req
-            self._embed_cursor += 1
+            i += 1
+        self._embed_cursor = i
         return None
 
     def next_generation(self) -> Request | None:
@@ -216,7 +219,7 @@ class SchedulingSteps(KVAdmission):
             if cfg.max_num_embeds is not None and len(self._embeds_holding) >= cfg.max_num_embeds:
                 return 0
             kv_tokens = self.embed_kv_tokens(request)
-            need = self.blocks.blocks_for(kv_tokens)
+            need = -(-kv_tokens // self.blocks.block_size)  # blocks_for, inlined
             if not (self._kv_allows(need, rid) and (cfg.kv_admission != "reserve"
                                                    or self._reserve_fits(need, rid))):
                 self._hold_back(rid, need)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import simpy
 from simpy import Event
+from simpy.events import Timeout
 
 from orthrus_sim.engine.request import Request, RequestState
 from orthrus_sim.experiment.results import RequestLog
@@ -79,7 +80,7 @@ class SimDriver:
         return req.payload
 
     def sleep(self, seconds: float) -> simpy.Event:
-        return self.env.timeout(seconds)
+        return Timeout(self.env, seconds)
 
     def spawn(self, client: Client) -> None:
         """Start ``client`` as a SimPy process (``interpret`` itself, with no wrapper: every

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import simpy
+from simpy.events import Timeout
 
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine.decode_run import complete_decode_run, decode_run_length, run_on
@@ -153,7 +154,7 @@ class Replica:
         self._cut_steps = k + 1
         process = self.process
         process._target.callbacks.remove(process._resume)
-        wake = self.env.timeout(_delay_to(self.env.now, ends[k]))
+        wake = Timeout(self.env, _delay_to(self.env.now, ends[k]))
         wake.callbacks.append(process._resume)
         process._target = wake
 
@@ -226,7 +227,8 @@ class Replica:
             self._stepping = False
             if self._inbox:
                 self._take_inbox()
-            batch = policy.schedule(env.now)
+            now = env.now
+            batch = policy.schedule(now)
             if not batch:
                 self._wake = env.event()
                 yield self._wake
@@ -243,8 +245,8 @@ class Replica:
             if self._merge_s:
                 seconds, self._merge_s = seconds + self._merge_s, 0.0
             flops, bytes_ = cost.shape_work(shape)
-            self._in_flight = (env.now, env.now + seconds, shape, 1)
-            yield env.timeout(seconds)
+            self._in_flight = (now, now + seconds, shape, 1)
+            yield Timeout(env, seconds)
             self._account(shape, 1, seconds, flops, bytes_)
             self._leave(policy.complete(batch, env.now))
 
@@ -258,14 +260,51 @@ class Replica:
     def _decode_run(self, shape: BatchShape, steps: int):
         """Wait out a run of ``steps`` decode iterations (``engine.decode_run``), or fewer when
         work arrives, and apply them; members that finish at its end leave then, and while
-        nothing waits the run goes on without them (``run_on_after_finish``)."""
+        nothing waits the run goes on without them (``run_on_after_finish``).
+
+        Each phase of the run prices and waits out up to ``steps`` identical decode iterations,
+        fewer when work arrives (the iteration in flight then ends the run). Step times are
+        priced a segment at a time (``FIRST_RUN_SEGMENT`` steps, doubling): an arrival usually
+        cuts a run long before its end, and pricing steps that never run was most of the cost
+        of an open-loop simulation. Each step is priced on its own, so the segments change
+        nothing in the result. (One generator for the whole run: a phase is waited out in
+        this frame, not a nested one.)
+        """
         self.stats.decode_runs += 1
         self._arrived = False
-        policy = self.policy
+        env, policy, step_times = self.env, self.policy, self.cost.decode_step_times
         while True:
-            done = yield from self._decode_phase(shape, steps)
+            start = t = env.now
+            ends: list[float] = []
+            self._run = (shape, start, ends)
+            kv0 = shape.decode_kv
+            segment = FIRST_RUN_SEGMENT
+            while len(ends) < steps:
+                n = min(segment, steps - len(ends))
+                segment = min(2 * segment, MAX_RUN_SEGMENT)
+                shape.decode_kv = kv0 + shape.decodes * len(ends)
+                times = accumulate(step_times(shape, n), initial=t)
+                next(times)  # t itself: the step ends follow, summed in order as stepping sums them
+                ends.extend(times)
+                t = ends[-1]
+                shape.decode_kv = kv0
+                self._in_flight = (start, t, shape, len(ends))
+                # the segment's end, or the end of the step in flight when work arrives first
+                # (``_admit`` moves the wait there: ``_cut_run``)
+                self._segment = True
+                yield Timeout(env, _delay_to(env.now, t))
+                self._segment = False
+                if env.now < t or self._arrived:
+                    break  # work arrived: the iteration in flight ended, reschedule
+            done, self._cut_steps = self._cut_steps, 0  # the steps up to the one in flight
+            if not done:  # when work arrived; else the phase ran out
+                done = len(ends)
+                if env.now < ends[-1]:  # the clock could not land on the segment's end (rounding)
+                    done = bisect_right(ends, env.now) + 1
+                    if ends[done - 1] > env.now:
+                        yield Timeout(env, _delay_to(env.now, ends[done - 1]))
             self._account_phase(done)
-            left = complete_decode_run(policy, done, self.env.now)
+            left = complete_decode_run(policy, done, env.now)
             self._leave(left)
             if done < steps or not left or self._arrived:
                 return  # work arrived (or a leaving request sent more), or the KV cache is full
@@ -273,49 +312,6 @@ class Replica:
             if steps < 1:
                 return
             shape = self._cohort_shape()
-
-    def _decode_phase(self, shape: BatchShape, steps: int):
-        """Price and wait out up to ``steps`` identical decode iterations; returns how many
-        ran: fewer when work arrives, the iteration in flight then ending the run.
-
-        Step times are priced a segment at a time (``FIRST_RUN_SEGMENT`` steps, doubling): an
-        arrival usually cuts a run long before its end, and pricing steps that never run was
-        most of the cost of an open-loop simulation. Each step is priced on its own, so the
-        segments change nothing in the result.
-        """
-        env = self.env
-        start = env.now
-        ends: list[float] = []
-        self._run = (shape, start, ends)
-        kv0 = shape.decode_kv
-        t = start
-        segment = FIRST_RUN_SEGMENT
-        while len(ends) < steps:
-            n = min(segment, steps - len(ends))
-            segment = min(2 * segment, MAX_RUN_SEGMENT)
-            shape.decode_kv = kv0 + shape.decodes * len(ends)
-            times = accumulate(self.cost.decode_step_times(shape, n), initial=t)
-            next(times)  # t itself: the step ends follow, summed in order as stepping sums them
-            ends.extend(times)
-            t = ends[-1]
-            shape.decode_kv = kv0
-            self._in_flight = (start, ends[-1], shape, len(ends))
-            # the segment's end, or the end of the step in flight when work arrives first
-            # (``_admit`` moves the wait there: ``_cut_run``)
-            self._segment = True
-            yield env.timeout(_delay_to(env.now, ends[-1]))
-            self._segment = False
-            if env.now < ends[-1] or self._arrived:
-                break  # work arrived: the iteration in flight ended, reschedule
-        cut, self._cut_steps = self._cut_steps, 0
-        if cut:
-            return cut  # the steps up to the one in flight when work arrived
-        done = len(ends)
-        if env.now < ends[-1]:  # the clock could not land on the segment's end (rounding)
-            done = bisect_right(ends, env.now) + 1
-            if ends[done - 1] > env.now:
-                yield env.timeout(_delay_to(env.now, ends[done - 1]))
-        return done
 
     def _account_phase(self, done: int) -> None:
         """Count the first ``done`` iterations of the run in flight."""
