@@ -189,6 +189,8 @@ def test_rejections_carry_a_reason():
     (dict(kind="audio"), "kind"),
     (dict(kind=None), "kind"),
     (dict(arrival_time=float("nan")), "arrival_time"),
+    (dict(arrival_time=float("inf")), "arrival_time"),
+    (dict(arrival_time="1.0"), "arrival_time"),
     (dict(arrival_time=None), "arrival_time"),
     (dict(arrival_time=-1.0), "arrival_time"),
     (dict(arrival_time=True), "arrival_time"),
@@ -197,6 +199,10 @@ def test_rejections_carry_a_reason():
     (dict(kind="generation", max_output_tokens=True), "max_output_tokens"),
     (dict(kind="generation", max_output_tokens=4, expected_output_tokens="many"),
      "expected_output_tokens"),
+    (dict(kind="generation", max_output_tokens=4, expected_output_tokens=-1),
+     "expected_output_tokens"),
+    (dict(max_output_tokens=3), "max_output_tokens"),
+    (dict(request_id=7), "request_id"),
     (dict(request_id=""), "request_id"),
 ])
 def test_bad_request_names_the_field(kwargs, field):
@@ -267,6 +273,17 @@ def test_block_manager_bad_sizes():
 def test_request_kind_enum_roundtrip():
     r = Request("a", "generation", 0.0, 3, max_output_tokens=2)
     assert r.kind is RequestKind.GENERATION and r.remaining_work(True) == 4
+
+
+def test_request_kind_and_final_states_are_plain_fields():
+    """The hot path reads ``is_embedding`` and ``state.is_final`` as fields (no properties):
+    they must still say what the kind and the state are, however the kind was given."""
+    for kind, embedding in [("embedding", True), ("generation", False),
+                            (RequestKind.EMBEDDING, True), (RequestKind.GENERATION, False)]:
+        r = Request("a", kind, 0.0, 3, max_output_tokens=0 if embedding else 2)
+        assert r.is_embedding is embedding and (r.kind is RequestKind.EMBEDDING) is embedding
+    final = {s for s in RequestState if s.is_final}
+    assert final == {RequestState.FINISHED, RequestState.ABORTED, RequestState.REJECTED}
 
 
 def test_request_accepts_numpy_numbers():

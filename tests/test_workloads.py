@@ -206,3 +206,18 @@ def test_paths_resolve_from_the_scenario_file(tmp_path, monkeypatch):
     sc = load_scenario(folder / "s.yaml")
     assert Path(sc.workload.trace) == folder / "t.jsonl"
     assert sc.calibration is None
+
+
+def test_tokens_are_values():
+    """``Tokens`` is a plain slotted class (one is made per request): it must still behave as
+    the value it was as a frozen dataclass: equal by segments, hashable, lengths summed."""
+    from orthrus_sim.experiment.workload import RequestSpec, Send, Tokens
+
+    a, b = Tokens.seeded(7, 5), Tokens(((7, 0, 5),))
+    assert a == b and hash(a) == hash(b) and len(a) == a.length == 5
+    assert Tokens.seeded(7, 0) == Tokens() and Tokens().length == 0
+    both = a + Tokens.seeded(9, 3)
+    assert both.length == 8 and both.tail(4) == Tokens(((7, 4, 1), (9, 0, 3)))
+    assert both.ids()[-3:] == Tokens.seeded(9, 3).ids() and a != Tokens.seeded(8, 5)
+    spec = RequestSpec("r", None, both, 0, "c")
+    assert spec.input_len == 8 and Send(spec).wait and spec.phase is None

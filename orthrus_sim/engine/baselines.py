@@ -9,6 +9,7 @@ from orthrus_sim.engine.policy import Policy
 from orthrus_sim.engine.request import Request, RequestKind
 
 _BOTH = (RequestKind.EMBEDDING, RequestKind.GENERATION)
+_EMBEDDINGS, _GENERATIONS = (RequestKind.EMBEDDING,), (RequestKind.GENERATION,)
 _READY = attrgetter("ready_since", "order")  # a request's place in Unified-Homo's FCFS
 
 
@@ -50,10 +51,10 @@ class UnifiedHomoPolicy(Policy):
         embed_first = g_key is None or (e_key is not None and e_key < g_key)
         for embed_side in ((True, False) if embed_first else (False, True)):
             if embed_side:
-                self.fill_fcfs(batch, now, (RequestKind.EMBEDDING,))
+                self.fill_fcfs(batch, now, _EMBEDDINGS)
             else:
                 self.schedule_running(batch)
-                self.fill_fcfs(batch, now, (RequestKind.GENERATION,))
+                self.fill_fcfs(batch, now, _GENERATIONS)
             if batch:
                 return
 
@@ -65,7 +66,7 @@ class EmbeddingOnlyPolicy(Policy):
     serves = (RequestKind.EMBEDDING,)
 
     def fill(self, batch: BatchUnit, now: float) -> None:
-        self.fill_fcfs(batch, now, (RequestKind.EMBEDDING,))
+        self.fill_fcfs(batch, now, _EMBEDDINGS)
 
 
 class GenerationPolicy(Policy):
@@ -76,7 +77,7 @@ class GenerationPolicy(Policy):
 
     def fill(self, batch: BatchUnit, now: float) -> None:
         self.schedule_running(batch)
-        self.fill_fcfs(batch, now, (RequestKind.GENERATION,))
+        self.fill_fcfs(batch, now, _GENERATIONS)
 
 
 class PrefillOnlyPolicy(UnifiedHeteroPolicy):

@@ -106,7 +106,7 @@ class BatchUnit:
     def finalize(self) -> BatchUnit:
         """Sort items by type (stable, so FCFS order holds inside each type); a reservation
         not taken lapses."""
-        self.reserve(None, 0)
+        self.reserved_for, self.reserved = None, 0
         if not self._sorted:
             self.items.sort(key=_KIND)
             self._sorted = True

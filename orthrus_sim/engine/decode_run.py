@@ -38,7 +38,7 @@ def decode_run_length(policy: Policy, batch: BatchUnit) -> int:
     if (cohort is None or not policy.decode_runs or policy._budget_claim is not None
             or batch.items or not batch.cohort_decodes):
         return 0
-    members = len(cohort)
+    members = len(cohort.members)
     if len(policy._holding) != members:
         return 0
     nothing_waits = len(policy._requests) == members
@@ -62,7 +62,7 @@ def run_on(policy: Policy) -> int:
     batch, so whatever it does besides scheduling (IBS resets the credits of empty queues) is
     done; after any other iteration the executor calls ``fill`` again."""
     cohort = policy._cohort
-    members = len(cohort)
+    members = len(cohort.members)
     if (not members or len(policy._requests) != members or len(policy._holding) != members
             or policy._budget_claim is not None or members > policy.config.token_budget
             or not cohort.take_blocks(cohort.steps)):

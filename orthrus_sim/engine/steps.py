@@ -339,8 +339,12 @@ class SchedulingSteps(KVAdmission):
         while True:
             emb = self.next_embedding() if embeddings else None
             gen = self.next_generation() if generations else None
-            if emb is None and gen is None:
-                break
+            if emb is None:
+                if gen is None:
+                    break
+                embeddings = False  # scheduling a generation adds no embedding: none comes later
+            elif gen is None:
+                generations = False  # nor the other way round
             if gen is None or (emb is not None and emb.order < gen.order):
                 n = self.schedule_embedding(batch, emb, now)
             else:

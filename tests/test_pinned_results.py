@@ -1,0 +1,72 @@
+"""Every result stays the same for a seed: short runs of the shipped scenarios, pinned.
+
+The simulator's speed work (docs/performance.md) must not change what it computes. Each case
+below runs a shortened shipped scenario (every policy, both loops, preemption, a TPOT target
+with the placement planner, workflows, Disagg-PD's transfers, phases) and compares a digest of
+its metrics, request rows and timeline with the pinned one. A digest that moves means the
+simulation computes something else: if that is intended, say why in the commit and pin the new
+digest (``python tests/test_pinned_results.py`` prints them). Floats enter the digest at 10
+significant digits, so a last-bit difference of a maths library cannot move a digest unless it
+changes what happens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import pytest
+
+from orthrus_sim.experiment.scenario import load_scenario
+from orthrus_sim.sim.run import simulate
+
+SHORT = ["duration_s=40", "warmup_s=10"]
+CASES: dict[str, tuple[str, list[str], str]] = {
+    "mix_sweep/orthrus": ("mix_sweep", SHORT, "orthrus"),
+    "mix_sweep/unified-homo": ("mix_sweep", SHORT, "unified-homo"),
+    "mix_sweep/unified-hetero": ("mix_sweep", SHORT, "unified-hetero"),
+    "mix_sweep/dedicated-1:3": ("mix_sweep", SHORT, "dedicated-1:3"),
+    "mix_sweep/disagg-pd-2:2": ("mix_sweep", SHORT, "disagg-pd-2:2"),
+    "mix_sweep/adaptive-target": ("mix_sweep", SHORT + ["scheduler.tpot_target_s=0.03",
+                                                        "cluster.router=adaptive"], "orthrus"),
+    "mix_sweep/mixed-pool-reserve": ("mix_sweep", SHORT + ["workload.arrival.pools=mixed",
+                                                           "scheduler.kv_admission=reserve"],
+                                     "orthrus"),
+    "kv_pressure/orthrus": ("kv_pressure", ["duration_s=150", "warmup_s=30"], "orthrus"),
+    "iter_retgen/orthrus": ("iter_retgen", ["duration_s=150", "warmup_s=30"], "orthrus"),
+    "phased/orthrus": ("phased", [], "orthrus"),
+}
+
+PINNED = {
+}
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return float(f"{value:.10g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def digest(name: str) -> str:
+    scenario, overrides, configuration = CASES[name]
+    result = simulate(load_scenario(scenario, overrides), configuration)
+    metrics = {k: v for k, v in result.metrics.items() if k != "sim_wall_s"}
+    doc = _rounded([metrics, result.requests, result.timeline])
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_results_are_pinned(name):
+    assert digest(name) == PINNED[name], (
+        f"{name}: the simulation computes something else than before; if intended, explain it "
+        "in the commit and pin the new digest (python tests/test_pinned_results.py)")
+
+
+if __name__ == "__main__":
+    for case in sorted(CASES) if len(sys.argv) < 2 else sys.argv[1:]:
+        print(f'    "{case}": "{digest(case)}",', flush=True)
