@@ -39,6 +39,16 @@ CASES: dict[str, tuple[str, list[str], str]] = {
 }
 
 PINNED = {
+    "iter_retgen/orthrus": "e76b66126825ed7d35c9",
+    "kv_pressure/orthrus": "49c2f583421d37b25b31",
+    "mix_sweep/adaptive-target": "589de2156fc4a6e9a7de",
+    "mix_sweep/dedicated-1:3": "aea340ea9266dd97399e",
+    "mix_sweep/disagg-pd-2:2": "d0b10f530d88aea76a26",
+    "mix_sweep/mixed-pool-reserve": "2ac1e1654899592b0418",
+    "mix_sweep/orthrus": "5a73143d2b64f1cca11a",
+    "mix_sweep/unified-hetero": "57cbfe00ae33e3e30936",
+    "mix_sweep/unified-homo": "9d1d2f1bc0ea05c020a6",
+    "phased/orthrus": "4aeb050b7f1ba840b303",
 }
 
 
