@@ -11,8 +11,12 @@ serve four times the requests, and a column that grows says what costs more than
 cProfile slows a run about threefold and inflates small, often-called functions most: the
 shares are for finding where to look, the wall figures belong to ``simulator_speed.py``.
 
-Run: python benchmarks/simulator_profile.py [--replicas 1 4] [--stepping] [--top 15]
-                                            [--out profile.json]
+``--paper CONFIG`` adds the mix sweep's paper-scale point (``scenarios/mix_sweep.yaml``: 4
+GPUs, 512 closed-loop clients, 180 s) for one configuration, per request it issued: a workload
+whose cost is its requests (~56,000 embeddings), not its iterations.
+
+Run: python benchmarks/simulator_profile.py [--replicas 1 4] [--paper orthrus] [--stepping]
+                                            [--top 15] [--out profile.json]
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from simulator_speed import WORKLOADS, orthrus_scenario
 import orthrus_sim.engine.cohort as cohort_module
 import orthrus_sim.sim.replica as replica_module
 from orthrus_sim.engine.policy import Policy
-from orthrus_sim.experiment.scenario import parse_scenario
+from orthrus_sim.experiment.scenario import load_scenario, parse_scenario
 from orthrus_sim.sim.run import simulate
 
 # (area, path fragment): the first fragment found in a function's file names its area
@@ -91,9 +95,9 @@ def breakdown(stats: pstats.Stats) -> tuple[dict[str, float], list[tuple[str, fl
     return dict(by_area), functions
 
 
-def counted(scenario, fast: bool) -> tuple[dict[str, int], float]:
-    """Run once with counters on the hot calls (a wrapper each: no profiler); the counts and
-    the wall seconds of ``simulate``."""
+def counted(scenario, configuration: str, fast: bool) -> tuple[dict[str, int], float, int]:
+    """Run once with counters on the hot calls (a wrapper each: no profiler); the counts, the
+    wall seconds of ``simulate`` and the requests the workload issued."""
     counts: Counter[str] = Counter()
     patches = []
 
@@ -113,19 +117,21 @@ def counted(scenario, fast: bool) -> tuple[dict[str, int], float]:
     wrap(cohort_module.DecodeCohort, "join", "cohort joins")
     try:
         start = time.perf_counter()
-        result = simulate(scenario, scenario.configurations[0], fast_forward=fast, keep_rows=False)
+        result = simulate(scenario, configuration, fast_forward=fast, keep_rows=False)
         wall = time.perf_counter() - start
     finally:
         for owner, name, original in patches:
             setattr(owner, name, original)
     counts["iterations"] = result.metrics["iterations"]
     counts["decode runs"] = sum(g["decode_runs"] for g in result.metrics["utilization"]["per_gpu"])
-    return dict(counts), wall
+    return dict(counts), wall, sum(result.metrics["issued"].values())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 4], choices=sorted(WORKLOADS))
+    ap.add_argument("--paper", metavar="CONFIG",
+                    help="add the mix sweep's paper-scale point for this configuration")
     ap.add_argument("--stepping", action="store_true", help="step every iteration (no fast path)")
     ap.add_argument("--top", type=int, default=15, help="functions to list by own time")
     ap.add_argument("--out", help="write the breakdown to this JSON file")
@@ -133,27 +139,31 @@ def main() -> None:
     console = Console(width=max(Console().width, 110))
     fast = not args.stepping
 
+    runs = [(f"{r} replica{'s' if r > 1 else ''}", parse_scenario(orthrus_scenario(r)), None)
+            for r in args.replicas]
+    if args.paper:
+        runs.append((f"mix sweep, {args.paper}", load_scenario("mix_sweep"), args.paper))
     cases = {}
-    for replicas in args.replicas:
-        scenario = parse_scenario(orthrus_scenario(replicas))
-        requests = WORKLOADS[replicas][0]
-        console.print(f"[dim]{replicas} replica(s): counting, then under cProfile[/]")
-        counts, wall = counted(scenario, fast)
+    for name, scenario, configuration in runs:
+        configuration = configuration or scenario.configurations[0]
+        console.print(f"[dim]{name}: counting, then under cProfile[/]")
+        counts, wall, requests = counted(scenario, configuration, fast)
         profiler = cProfile.Profile()
         start = time.perf_counter()
         profiler.enable()
-        simulate(scenario, scenario.configurations[0], fast_forward=fast, keep_rows=False)
+        simulate(scenario, configuration, fast_forward=fast, keep_rows=False)
         profiler.disable()
         profiled = time.perf_counter() - start
         by_area, functions = breakdown(pstats.Stats(profiler))
-        cases[replicas] = {"requests": requests, "wall_s": wall, "profiled_s": profiled,
-                           "counts": counts, "areas_s": by_area,
-                           "top_functions_s": dict(functions[:args.top])}
+        cases[name] = {"requests": requests, "wall_s": wall, "profiled_s": profiled,
+                       "counts": counts, "areas_s": by_area,
+                       "top_functions_s": dict(functions[:args.top])}
 
     mode = "decode runs" if fast else "every iteration"
-    names = [f"{r} replica{'s' if r > 1 else ''}" for r in cases]
-    first, last = next(iter(cases.values())), list(cases.values())[-1]
-    grows = len(cases) > 1
+    names = list(cases)
+    g = len(args.replicas) - 1  # growth: the last replica count over the first
+    grows = g > 0
+    first, last = cases[names[0]], cases[names[g]]
     table = Table(title=f"Per simulated request, {mode} (counts: no profiler)")
     table.add_column("what")
     for name in names:
@@ -162,11 +172,11 @@ def main() -> None:
         table.add_column("growth", justify="right")
     for key in first["counts"]:
         vals = [c["counts"].get(key, 0) / c["requests"] for c in cases.values()]
-        growth = [f"{vals[-1] / vals[0]:.2f}x" if vals[0] else ""] if grows else []
+        growth = [f"{vals[g] / vals[0]:.2f}x" if vals[0] else ""] if grows else []
         table.add_row(key, *[f"{v:.2f}" for v in vals], *growth)
     vals = [1e6 * c["wall_s"] / c["requests"] for c in cases.values()]
     table.add_row("[bold]wall us (simulate)[/]", *[f"{v:.0f}" for v in vals],
-                  *([f"{vals[-1] / vals[0]:.2f}x"] if grows else []))
+                  *([f"{vals[g] / vals[0]:.2f}x"] if grows else []))
     console.print(table)
 
     table = Table(title="Profiled microseconds per simulated request, by area (cProfile)")
@@ -176,7 +186,8 @@ def main() -> None:
         table.add_column("share", justify="right")
     if grows:
         table.add_column("growth", justify="right")
-    areas = sorted(last["areas_s"], key=lambda a: -last["areas_s"][a])
+    areas = sorted({a for c in cases.values() for a in c["areas_s"]},
+                   key=lambda a: -last["areas_s"].get(a, 0.0))
     for area in areas:
         row = []
         for c in cases.values():
@@ -193,8 +204,9 @@ def main() -> None:
     top.add_column("function")
     top.add_column("own s", justify="right")
     top.add_column("us per request", justify="right")
-    for name, seconds in list(last["top_functions_s"].items())[:args.top]:
-        top.add_row(name, f"{seconds:.2f}", f"{1e6 * seconds / last['requests']:.1f}")
+    shown = cases[names[-1]]
+    for name, seconds in list(shown["top_functions_s"].items())[:args.top]:
+        top.add_row(name, f"{seconds:.2f}", f"{1e6 * seconds / shown['requests']:.1f}")
     console.print(top)
     if args.out:
         doc = {"fast_forward": fast, "cases": {str(k): v for k, v in cases.items()}}

@@ -21,8 +21,14 @@ stands for the round. Each round's ratio is taken between neighbours, and the ta
 medians over rounds. Orthrus stepping every iteration (decode runs off) is measured beside them
 as the baseline of the fast path.
 
+``--paper`` times the mix sweep's paper-scale point instead (``scenarios/mix_sweep.yaml``: 4
+GPUs, 512 closed-loop clients, 180 s; target < 1 s inside ``simulate`` for every
+configuration), each configuration in its own process; ``--baseline DIR`` times another
+checkout (``git worktree add DIR REV``) beside it, alternated, for a before/after ratio.
+
 Run: python benchmarks/simulator_speed.py --vidur DIR --vidur-python PY
      [--rounds 3] [--replicas 1 4] [--no-stepping] [--no-default] [--out speed.json]
+     python benchmarks/simulator_speed.py --paper [--baseline DIR] [--rounds 3] [--out paper.json]
 """
 
 from __future__ import annotations
@@ -130,6 +136,76 @@ def child(replicas: int, fast: bool) -> None:
                       "iterations": m["iterations"], "sim_end_s": m["sim_end_s"]}))
 
 
+PAPER_TARGET_S = 1.0  # the mix sweep's paper-scale point, each configuration, inside simulate
+
+
+def paper_child(configuration: str) -> None:
+    """One configuration of the mix sweep's paper-scale point, timed inside ``simulate``."""
+    from orthrus_sim.experiment.scenario import load_scenario
+    from orthrus_sim.sim.run import simulate
+
+    scenario = load_scenario("mix_sweep")
+    start = time.perf_counter()
+    result = simulate(scenario, configuration, keep_rows=False)
+    seconds = time.perf_counter() - start
+    m = result.metrics
+    print(json.dumps({"simulate_s": seconds, "completed": sum(m["completed"].values()),
+                      "issued": sum(m["issued"].values())}))
+
+
+def run_paper(configuration: str, tree: Path | None) -> dict:
+    """``paper_child`` in its own process, with this checkout's code or ``tree``'s."""
+    import subprocess
+
+    env = child_env(**({"PYTHONPATH": str(tree)} if tree is not None else {}))
+    proc = subprocess.run([sys.executable, __file__, "--paper-child", configuration],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"paper-scale run of {configuration} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def paper_scale(console, rounds: int, repeat: int, baseline: Path | None) -> dict:
+    """The mix sweep's paper-scale point (4 GPUs, 512 closed-loop clients, 180 s), every
+    configuration: ``simulate`` seconds (the fastest of ``repeat`` a round, the median over
+    rounds), and with ``baseline`` (another checkout) the same beside it, alternated."""
+    import statistics
+
+    from rich.table import Table
+
+    from orthrus_sim.experiment.scenario import load_scenario
+
+    configurations = load_scenario("mix_sweep").configurations
+    trees = {"this": None} | ({"baseline": baseline} if baseline is not None else {})
+    runs: dict[str, dict[str, list[dict]]] = {t: {c: [] for c in configurations} for t in trees}
+    for r in range(rounds):
+        console.print(f"[dim]mix sweep at paper scale, round {r + 1}/{rounds}[/]")
+        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+        for c in configurations:
+            for t in order:
+                runs[t][c].append(min((run_paper(c, trees[t]) for _ in range(max(1, repeat))),
+                                      key=lambda x: x["simulate_s"]))
+    table = Table(title=f"The mix sweep's paper-scale point: 4 GPUs, 512 clients, 180 s "
+                        f"(simulate seconds, medians of {rounds})")
+    for col in ["configuration", "seconds", "requests issued", "us per request"] + (
+            ["baseline s", "x baseline"] if baseline is not None else []):
+        table.add_column(col, justify="right")
+    medians: dict[str, dict[str, float]] = {t: {} for t in trees}
+    for c in configurations:
+        for t in trees:
+            medians[t][c] = statistics.median(x["simulate_s"] for x in runs[t][c])
+        sec, issued = medians["this"][c], runs["this"][c][-1]["issued"]
+        mark = "green" if sec < PAPER_TARGET_S else "red"
+        row = [c, f"[{mark}]{sec:.2f}[/]", f"{issued:,}", f"{1e6 * sec / issued:.1f}"]
+        if baseline is not None:
+            row += [f"{medians['baseline'][c]:.2f}", f"{sec / medians['baseline'][c]:.2f}"]
+        table.add_row(*row)
+    console.print(table)
+    met = sum(medians["this"][c] < PAPER_TARGET_S for c in configurations)
+    console.print(f"under {PAPER_TARGET_S:g} s: {met} of {len(configurations)} configurations")
+    return {"runs": runs, "medians": medians, "target_s": PAPER_TARGET_S}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vidur", "--vidur-src", dest="vidur", default=os.environ.get("VIDUR_SRC"),
@@ -146,11 +222,19 @@ def main() -> None:
                     help="skip Vidur's default run (metrics files and trace written)")
     ap.add_argument("--work-dir", default="/tmp/orthrus-vidur-bench", help="Vidur's output and cache")
     ap.add_argument("--out", help="write every run and the medians to this JSON file")
+    ap.add_argument("--paper", action="store_true",
+                    help="time the mix sweep's paper-scale point instead (every configuration)")
+    ap.add_argument("--baseline", type=Path,
+                    help="with --paper: another checkout (a git worktree) timed alternately")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--paper-child", help=argparse.SUPPRESS)
     ap.add_argument("--stepping", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         child(args.child, fast=not args.stepping)
+        return
+    if args.paper_child is not None:
+        paper_child(args.paper_child)
         return
 
     import statistics
@@ -159,6 +243,12 @@ def main() -> None:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 120))
+    if args.paper:
+        report = paper_scale(console, args.rounds, args.orthrus_repeat, args.baseline)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+            console.print(f"wrote {args.out}")
+        return
     src = Path(args.vidur) if args.vidur else None
     if src is None or not (src / "bench.py").is_file():
         console.print("[yellow]No Vidur checkout (--vidur DIR with bench.py): Orthrus only, "
