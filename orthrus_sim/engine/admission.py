@@ -77,7 +77,7 @@ class KVAdmission(Queues):
         return (item.kind is not EMBED_CHUNK or self.config.embedding_kv == "all"
                 or item.end < item.request.input_len)
 
-    def _embed_slots_full(self) -> bool:
+    def _embed_slots_full(self) -> bool:  # (``schedule_embedding`` inlines this test)
         cap = self.config.max_num_embeds
         return cap is not None and len(self._embeds_holding) >= cap
 
@@ -98,7 +98,8 @@ class KVAdmission(Queues):
         """``kv_admission: reserve``: the running generations' expected final sizes, what
         embeddings hold, what is held back for other requests and ``blocks`` more (the
         newcomer's final size) all fit the cache. Embeddings are admitted by it too: blocks an
-        embedding takes are blocks a running decode may need."""
+        embedding takes are blocks a running decode may need. (``schedule_embedding`` and
+        ``schedule_generation`` test the mode themselves before calling it.)"""
         if self.config.kv_admission != "reserve":
             return True
         self._sync_cohort()  # the running decodes' sizes, as they stand

@@ -51,7 +51,7 @@ class Credits:
                 embed += tokens * we / total
             if gen_able:
                 gen += tokens * wg / total
-        lim = self.limit  # clamped to [-lim, lim] (once an iteration per item: no min/max calls)
+        lim = self.limit  # clamped to [-lim, lim], without min/max calls (this runs per item)
         self.embed = lim if embed > lim else -lim if embed < -lim else embed
         self.gen = lim if gen > lim else -lim if gen < -lim else gen
 

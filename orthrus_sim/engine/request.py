@@ -121,7 +121,8 @@ class Request:
     first_chunk_at: float | None = field(default=None, init=False)
     first_token_at: float | None = field(default=None, init=False)
     finished_at: float | None = field(default=None, init=False)
-    # ``kind is EMBEDDING``, kept as a field: read several times per request per step
+    # ``kind is EMBEDDING``, kept as a field (read several times per request per step): derived
+    # from ``kind`` at construction, so ``kind`` is not to be reassigned
     is_embedding: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:

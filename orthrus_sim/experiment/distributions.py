@@ -28,7 +28,7 @@ class _Dist(BaseModel):
 
     def sampler(self) -> Callable[[np.random.Generator], int]:
         """``sample`` as a function (a workload draws once per request: a fixed length is a
-        constant, not a validation-checked clip every time)."""
+        constant, not clipped again every time)."""
         return self.sample
 
     @property

@@ -113,8 +113,10 @@ class Tokens:
         return ids
 
 
-# The request and the actions are named tuples: immutable values made once per request, for a
-# fraction of a frozen dataclass's cost.
+# The request and the per-request actions (Send, Wait, WaitUntil) are named tuples: immutable
+# values made once per request, for a fraction of a frozen dataclass's cost. As tuples they
+# compare equal to tuples of the same fields (nothing compares them) and change with
+# ``_replace``, not ``dataclasses.replace``.
 
 class RequestSpec(NamedTuple):
     """One request as the workload defines it."""
