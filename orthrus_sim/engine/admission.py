@@ -77,7 +77,7 @@ class KVAdmission(Queues):
         return (item.kind is not EMBED_CHUNK or self.config.embedding_kv == "all"
                 or item.end < item.request.input_len)
 
-    def _embed_slots_full(self) -> bool:  # (``schedule_embedding`` inlines this test)
+    def _embed_slots_full(self) -> bool:
         cap = self.config.max_num_embeds
         return cap is not None and len(self._embeds_holding) >= cap
 

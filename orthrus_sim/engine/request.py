@@ -171,7 +171,6 @@ class Request:
                                                  self.expected_output_tokens, minimum=0)
 
     # ----- derived progress -------------------------------------------------------------
-
     @property
     def seq_len(self) -> int:
         """Tokens in the sequence so far: the input plus every sampled token."""

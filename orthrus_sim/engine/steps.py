@@ -216,7 +216,7 @@ class SchedulingSteps(KVAdmission):
         waiting = request.state is WAITING
         need = kv_tokens = 0
         if waiting:
-            if cfg.max_num_embeds is not None and len(self._embeds_holding) >= cfg.max_num_embeds:
+            if self._embed_slots_full():
                 return 0
             kv_tokens = self.embed_kv_tokens(request)
             need = -(-kv_tokens // self.blocks.block_size)  # blocks_for, inlined
@@ -314,9 +314,8 @@ class SchedulingSteps(KVAdmission):
         """An admitted request's next tokens, chunked to the budget left (or its decode) and,
         with an iteration-time target, to what meets it (``limit``: already so cut)."""
         rid = request.request_id
-        uncomputed = request.input_len + request.num_generated - request.num_computed
-        decode = uncomputed == 1 and request.num_generated > 0  # ``is_decode``
-        n = min(uncomputed, batch.budget_for(rid))
+        decode = request.is_decode
+        n = min(request.num_uncomputed, batch.budget_for(rid))
         if limit is not None:
             n = min(n, limit)
         elif self.target is not None and n > 0 and not decode:

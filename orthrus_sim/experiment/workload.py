@@ -299,7 +299,7 @@ class Workload:
         if self._by_count and self.units >= self._phase_ends[-1]:
             return False
         self.units += 1
-        return self.phase() if self._phase_ends else None
+        return self.phase()
 
     def _share(self, pool: Pool, phase: int | None) -> float:
         if pool.generation_share is not None:

@@ -56,8 +56,7 @@ class SimDriver:
         self.log.ended(request)
         if request.payload is not None:  # a client waits for it
             request.payload.succeed(outcome_of(request))
-        if not self.outstanding:
-            self._check_done()
+        self._check_done()
 
     def _check_done(self) -> None:
         if self._running == 0 and self.outstanding == 0 and not self.all_done.triggered:
