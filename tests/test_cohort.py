@@ -81,6 +81,48 @@ def test_cohort_schedules_and_ends_every_request_as_stepping_does(policy_name, n
         assert cohort_used
 
 
+def _members_ready_key(cohort):
+    """What ``DecodeCohort.ready_key`` must give, found the slow way: each member's
+    ``(ready_since, order)`` as ``sync`` would write it, without writing it."""
+    keys = [(cohort.last_end if cohort.steps > m.joined else m.request.ready_since,
+             m.request.order) for m in cohort.members.values()]
+    return min(keys, default=None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_blocks=st.integers(min_value=6, max_value=40),
+    token_budget=st.sampled_from([16, 48, 256]),
+    spec=st.lists(st.tuples(st.integers(0, 30), st.booleans(), st.integers(1, 70),
+                            st.integers(1, 40)), min_size=1, max_size=14),
+)
+def test_unified_homo_picks_its_side_from_the_cohort_as_stepping_does(num_blocks, token_budget,
+                                                                      spec):
+    """Unified-Homo reads the running decodes' ready times from the cohort (``ready_key``)
+    instead of writing them into the requests: with no view read between iterations (nothing
+    syncs the members), it schedules what stepping schedules, and ``ready_key`` is always the
+    members' least key."""
+    cfg = SchedulerConfig(token_budget=token_budget, chunk_size=16, block_size=4,
+                          num_blocks=num_blocks, max_num_seqs=6)
+    plain, fast = make_policy("unified-homo", cfg), make_policy("unified-homo", cfg)
+    fast.use_cohort()
+    a, b = _requests(spec, "unified-homo"), _requests(spec, "unified-homo")
+    for step in range(400):
+        for (at, ra), (_, rb) in zip(a, b):
+            if at == step:
+                assert plain.add(ra, float(step)) == fast.add(rb, float(step))
+        assert fast._cohort.ready_key() == _members_ready_key(fast._cohort)
+        ba, bb = plain.schedule(float(step)), fast.schedule(float(step))
+        wa, wb = _work(ba), _work(bb)
+        assert wa[:4] == wb[:4]
+        left_a = [r.request_id for r in plain.complete(ba, step + 0.5)]
+        left_b = [r.request_id for r in fast.complete(bb, step + 0.5)]
+        assert left_a == left_b
+        if all(r.state.is_final for _, r in a) and step > 30:
+            break
+    assert _state(plain, [r for _, r in a]) == _state(fast, [r for _, r in b])
+
+
 def test_abort_of_a_member_frees_its_blocks_as_without_the_cohort():
     cfg = SchedulerConfig(token_budget=64, chunk_size=16, block_size=4, num_blocks=32)
     plain, fast = make_policy("generation", cfg), make_policy("generation", cfg)

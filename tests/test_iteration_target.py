@@ -398,8 +398,12 @@ def test_with_a_target_a_waiting_generation_weighs_its_output_by_default():
     assert SchedulerConfig().counted_work == "prompt"
     assert SchedulerConfig(tpot_target_s=2.0).counted_work == "prompt+output"
     assert SchedulerConfig(tpot_target_s=2.0, waiting_work="prompt").counted_work == "prompt"
-    # a copy given a target follows it (the default is not frozen into the copy)
-    assert dataclasses.replace(SchedulerConfig(), tpot_target_s=2.0).count_waiting_output
+    # a copy given a target follows it (the default is not frozen into the copy), even when
+    # the original had computed (and cached) its own
+    base = SchedulerConfig()
+    assert not base.count_waiting_output
+    assert dataclasses.replace(base, tpot_target_s=2.0).count_waiting_output
+    assert not base.count_waiting_output and base == SchedulerConfig()
     gen = ("generation", 0.0, 40, 30)  # 40 prompt tokens, 30 to generate
     plain = make_policy("ibs", SchedulerConfig(token_budget=256, chunk_size=128))
     targeted = make_policy("ibs", SchedulerConfig(token_budget=256, chunk_size=128,

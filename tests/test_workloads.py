@@ -221,3 +221,19 @@ def test_tokens_are_values():
     assert both.ids()[-3:] == Tokens.seeded(9, 3).ids() and a != Tokens.seeded(8, 5)
     spec = RequestSpec("r", None, both, 0, "c")
     assert spec.input_len == 8 and Send(spec).wait and spec.phase is None
+
+
+def test_tokens_mixed_late_are_the_tokens_mixed_early():
+    """A synthetic request's tokens are mixed from the client's prefix when first read
+    (``Tokens.mixed``): the same value, hash, ids and pickled copy as mixing up front."""
+    import pickle
+
+    from orthrus_sim.experiment.workload import Tokens, mix, mix_on
+
+    prefix = mix(1, 2, 3)
+    late, early = Tokens.mixed(prefix, 41, 6), Tokens.seeded(mix_on(prefix, (41,)), 6)
+    assert late.length == 6 and late._segments is None  # nothing mixed yet
+    assert pickle.loads(pickle.dumps(late)) == early
+    assert late == early and hash(late) == hash(early) and late.ids() == early.ids()
+    assert (late + early).tail(7) == early.tail(1) + early
+    assert Tokens.mixed(prefix, 41, 0) == Tokens() and Tokens.mixed(prefix, 42, 6) != early

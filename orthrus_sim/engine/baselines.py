@@ -41,11 +41,7 @@ class UnifiedHomoPolicy(Policy):
 
     def fill(self, batch: BatchUnit, now: float) -> None:
         e_key = min(map(_READY, self._embeddings), default=None)
-        self._sync_cohort()  # the running decodes' ready times, as they stand
-        g_keys = list(map(_READY, self._running))
-        if self._waiting_gen:
-            g_keys.append(_READY(self._waiting_gen[0]))
-        g_key = min(g_keys, default=None)
+        g_key = self._generation_key()
         if e_key is None and g_key is None:
             return
         embed_first = g_key is None or (e_key is not None and e_key < g_key)
@@ -57,6 +53,23 @@ class UnifiedHomoPolicy(Policy):
                 self.fill_fcfs(batch, now, _GENERATIONS)
             if batch:
                 return
+
+    def _generation_key(self) -> tuple | None:
+        """The generation side's oldest ready request: the least ``(ready_since, order)`` of
+        the running requests and the waiting head. The decode cohort gives its members' least
+        key without writing their fields, when every running request is a member or prefills."""
+        cohort, running, prefilling = self._cohort, self._running, self._prefilling
+        if cohort is not None and len(cohort) + len(prefilling) == len(running):
+            keys = list(map(_READY, prefilling))
+            key = cohort.ready_key()
+            if key is not None:
+                keys.append(key)
+        else:
+            self._sync_cohort()  # the running decodes' ready times, as they stand
+            keys = list(map(_READY, running))
+        if self._waiting_gen:
+            keys.append(_READY(self._waiting_gen[0]))
+        return min(keys, default=None)
 
 
 class EmbeddingOnlyPolicy(Policy):

@@ -59,6 +59,10 @@ class DecodeCohort:
         # the step whose blocks ``virtual`` holds: ``steps`` once it is scheduled, and
         # ``steps - 1`` after it completed
         self.blocks_step = -1
+        # for ``ready_key``: members that joined since the last step (their own ready_since
+        # stands), and the least FCFS key of the others (None: to be found again)
+        self._fresh: list[Member] = []
+        self._stale_order: tuple[float, int] | None = None
 
     def __len__(self) -> int:
         return len(self.members)
@@ -78,6 +82,7 @@ class DecodeCohort:
         held = len(self.blocks.tables.get(rid, ()))
         m = Member(request, request.num_computed, request.num_generated, self.steps, held, order)
         self.members[rid] = m
+        self._fresh.append(m)
         a = m.computed - m.joined + 1
         u, r = divmod(a + self.bs - 1, self.bs)
         self._units += u
@@ -89,6 +94,10 @@ class DecodeCohort:
 
     def _leave(self, m: Member) -> None:
         del self.members[m.request.request_id]
+        if m.joined == self.steps:
+            self._fresh.remove(m)
+        elif m.request.order == self._stale_order:
+            self._stale_order = None
         a = m.computed - m.joined + 1
         u, r = divmod(a + self.bs - 1, self.bs)
         self._units -= u
@@ -151,6 +160,12 @@ class DecodeCohort:
     def advance(self, steps: int, now: float) -> list[Request]:
         """``steps`` iterations done, the last ending at ``now``; the members that finish then
         (settled, in running order: the caller finishes them)."""
+        if steps and self._fresh:  # the members that joined have run: ready since ``now``
+            order = min(m.request.order for m in self._fresh)
+            if self._stale_order is not None or len(self._fresh) == len(self.members):
+                self._stale_order = order if self._stale_order is None else min(
+                    self._stale_order, order)
+            self._fresh = []
         self.steps += steps
         self.last_end = now
         done: list[Request] = []
@@ -190,6 +205,20 @@ class DecodeCohort:
                 req.num_computed = m.computed + ahead
                 req.num_generated = m.generated + ahead
                 req.ready_since = end
+
+    def ready_key(self) -> tuple[float, tuple[float, int]] | None:
+        """The least ``(ready_since, order)`` over the members as ``sync`` would leave them,
+        without writing them: one that has run since it joined is ready since ``last_end``.
+        (Unified-Homo's choice of side reads it every iteration; the least order of the
+        members that have run is kept, and found again only when its member leaves.)"""
+        keys = [(m.request.ready_since, m.request.order) for m in self._fresh]
+        if len(self._fresh) < len(self.members):
+            if self._stale_order is None:
+                steps = self.steps
+                self._stale_order = min(m.request.order for m in self.members.values()
+                                        if m.joined < steps)
+            keys.append((self.last_end, self._stale_order))
+        return min(keys, default=None)
 
     def settle_one(self, request_id: str) -> Request | None:
         m = self.members.get(request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 WAITING_WORK_MODES = ("prompt", "prompt+output")
 KV_ADMISSION_MODES = ("optimistic", "reserve")
@@ -111,6 +112,8 @@ class SchedulerConfig:
             return self.waiting_work
         return "prompt+output" if self.tpot_target_s is not None else "prompt"
 
-    @property
+    @cached_property
     def count_waiting_output(self) -> bool:
+        """Read once per queued request: computed once (the config is frozen; a copy made
+        with ``dataclasses.replace`` computes its own)."""
         return self.counted_work == "prompt+output"

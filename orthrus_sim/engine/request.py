@@ -45,6 +45,7 @@ _GENERATION = RequestKind.GENERATION
 # Members as module constants for the scheduling steps: a global read is several times
 # cheaper than an enum class's attribute
 WAITING, RUNNING, FINISHED = RequestState.WAITING, RequestState.RUNNING, RequestState.FINISHED
+REJECTED = RequestState.REJECTED
 
 # Legal state changes; anything else is a scheduler bug and raises.
 _TRANSITIONS = {

@@ -76,8 +76,11 @@ class Quantiles:
         return 2.0 * self._gamma ** max(self._buckets) / (self._gamma + 1.0)
 
     def summary(self) -> dict[str, float | int | None]:
-        return summarize(self._count, self._sum / self._count if self._count else None,
-                         self.percentile)
+        mean = self._sum / self._count if self._count else None
+        if self._values is not None and self._count:  # the array made once for every percentile
+            values = np.asarray(self._values, dtype=float)
+            return summarize(self._count, mean, lambda q: float(np.percentile(values, q)))
+        return summarize(self._count, mean, self.percentile)
 
 
 PERCENTILES = {"p50": 50, "p95": 95, "p99": 99}

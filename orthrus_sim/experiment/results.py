@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from orthrus_sim.engine.request import Request, RequestKind, RequestState
+from orthrus_sim.engine.request import FINISHED, REJECTED, Request, RequestKind, RequestState
 from orthrus_sim.experiment.quantiles import Quantiles, summary
 from orthrus_sim.experiment.slo import SloTally, request_tpot, slo_warnings
 
@@ -31,7 +31,6 @@ MIN_COMPLETIONS = 30  # fewer in the window: a warning (a p99 needs more)
 MIN_LIFETIMES = 3.0  # a window shorter than this many mean latencies: a warning
 EPS = 1e-9
 GENERATION = RequestKind.GENERATION
-FINISHED, REJECTED = RequestState.FINISHED, RequestState.REJECTED
 
 
 def request_row(req: Request) -> dict:

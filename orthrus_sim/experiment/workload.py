@@ -59,22 +59,44 @@ class Tokens:
 
     A value: never changed once made (every operation returns a new one). A plain slotted
     class, not a frozen dataclass: one is made per request, and a frozen dataclass's
-    ``__init__`` costs several times as much."""
+    ``__init__`` costs several times as much. A synthetic request's seed is mixed when its
+    segments are first read (``mixed``): a simulation reads only the length."""
 
-    __slots__ = ("segments", "length")
+    __slots__ = ("_segments", "length", "_mix")
 
     def __init__(self, segments: tuple[tuple[int, int, int], ...] = ()) -> None:
-        self.segments = segments
+        self._segments = segments
         self.length = sum(n for _, _, n in segments)
+        self._mix = None
 
     @classmethod
     def seeded(cls, seed: int, length: int) -> Tokens:
         if length <= 0:
             return cls()
         tokens = object.__new__(cls)
-        tokens.segments = ((seed, 0, length),)
+        tokens._segments = ((seed, 0, length),)
         tokens.length = length
+        tokens._mix = None
         return tokens
+
+    @classmethod
+    def mixed(cls, prefix: int, n: int, length: int) -> Tokens:
+        """``seeded(mix_on(prefix, (n,)), length)``, the seed mixed when first read."""
+        if length <= 0:
+            return cls()
+        tokens = object.__new__(cls)
+        tokens._segments = None
+        tokens.length = length
+        tokens._mix = (prefix, n)
+        return tokens
+
+    @property
+    def segments(self) -> tuple[tuple[int, int, int], ...]:
+        segments = self._segments
+        if segments is None:
+            prefix, n = self._mix
+            segments = self._segments = ((mix_on(prefix, (n,)), 0, self.length),)
+        return segments
 
     def __len__(self) -> int:
         return self.length
@@ -116,7 +138,9 @@ class Tokens:
 # The request and the per-request actions (Send, Wait, WaitUntil) are named tuples: immutable
 # values made once per request, for a fraction of a frozen dataclass's cost. As tuples they
 # compare equal to tuples of the same fields (nothing compares them) and change with
-# ``_replace``, not ``dataclasses.replace``.
+# ``_replace``, not ``dataclasses.replace``. The workload's hot path makes them with
+# ``tuple.__new__`` and every field given: the same value, without the class's Python-level
+# ``__new__`` (one call per request fewer).
 
 class RequestSpec(NamedTuple):
     """One request as the workload defines it."""
@@ -156,6 +180,9 @@ class WaitUntil(NamedTuple):
 class Send(NamedTuple):
     spec: RequestSpec
     wait: bool = True
+
+
+_make = tuple.__new__  # a named tuple from all its fields (see above)
 
 
 @dataclass(frozen=True)
@@ -312,8 +339,8 @@ class Workload:
     def _spec(self, kind: RequestKind, tokens: Tokens, n_out: int, rid: str, client: str,
               phase: int | None, intended: float | None = None,
               workflow: int | None = None) -> RequestSpec:
-        spec = RequestSpec(rid, kind, tokens, n_out if kind is GEN else 0, client, intended, phase,
-                           workflow)
+        spec = _make(RequestSpec, (rid, kind, tokens, n_out if kind is GEN else 0, client, intended,
+                                   phase, workflow))
         if self.specs is not None:
             self.specs.append(spec)
         return spec
@@ -331,9 +358,9 @@ class Workload:
         else:
             n_in, n_out = self._embedding_length(rng), 0
         rid = f"{'e' if kind is EMB else 'g'}-{client}-{n}"
-        spec = self._spec(kind, Tokens.seeded(mix_on(seed, (n,)), n_in), n_out, rid, client,
+        spec = self._spec(kind, Tokens.mixed(seed, n, n_in), n_out, rid, client,
                           phase, intended)
-        return Send(spec, wait=intended is None)
+        return _make(Send, (spec, intended is None))
 
     def corpus(self) -> list[Tokens]:
         """The Iter-RetGen retrieval corpus: seeded documents (the same in every run)."""
