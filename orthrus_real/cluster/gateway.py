@@ -39,7 +39,7 @@ from orthrus_real.cluster.retry import Quarantine, RetryRules
 from orthrus_real.server.api.errors import error_response
 from orthrus_sim.engine.request import Request as RoutedRequest
 from orthrus_sim.engine.request import RequestKind
-from orthrus_sim.experiment.routing import make_router
+from orthrus_sim.experiment.routing import RouterRule
 
 log = logging.getLogger("orthrus")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
@@ -55,14 +55,12 @@ STALL_S = 1.5  # a probe unanswered this long, and no answer bytes from the repl
 class Gateway:
     """The replicas, the router over those up, and the requests in flight."""
 
-    def __init__(self, replicas: list[Replica], opts: ServeOptions, rule: str,
-                 target_s: float | None = None, pack: float = 1.0, auto_restart: bool = False,
-                 api_key: str | None = None, start_timeout: float = 300.0,
-                 rules: RetryRules | None = None, closed_loop: bool = False) -> None:
+    def __init__(self, replicas: list[Replica], opts: ServeOptions, rule: RouterRule,
+                 auto_restart: bool = False, api_key: str | None = None,
+                 start_timeout: float = 300.0, rules: RetryRules | None = None) -> None:
         self.replicas = replicas
         self.opts = opts
-        self.rule, self.target_s, self.pack = rule, target_s, pack
-        self.closed_loop = closed_loop  # the adaptive planner's demand (routing.closed_loop)
+        self.rule = rule  # the scenario's (``RouterRule.of``), made over the replicas up
         self.auto_restart = auto_restart
         self.start_timeout = start_timeout
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -95,7 +93,7 @@ class Gateway:
         """The rule over ``replicas`` (default: those routable now)."""
         if replicas is None:
             replicas = [r for r in self.replicas if r.routable]
-        return make_router(self.rule, replicas, self.target_s, self.pack, self.closed_loop)
+        return self.rule.make(replicas)
 
     def reroute(self) -> None:
         """The router over the replicas up now (a replica left or came back)."""

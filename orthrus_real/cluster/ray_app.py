@@ -32,6 +32,7 @@ from typing import Any
 
 from orthrus_real.cluster.machine_plan import make_replicas
 from orthrus_real.cluster.replicas import Replica, ReplicaSpec, ServeOptions
+from orthrus_sim.experiment.routing import RouterRule
 
 log = logging.getLogger("orthrus")
 APP_NAME = "orthrus"
@@ -147,7 +148,7 @@ class GatewayIngress:
     """The ingress deployment: the gateway over the engine deployments' handles."""
 
     def __init__(self, engines: list, replicas: list[RayReplica], opts: ServeOptions,
-                 scenario_router: tuple[str, float | None, float, bool]) -> None:
+                 rule: RouterRule) -> None:
         from orthrus_real.cluster.gateway import Gateway
         from orthrus_real.server.serving import setup_logging
 
@@ -155,10 +156,8 @@ class GatewayIngress:
         for replica, handle in zip(replicas, engines):
             replica.handle = handle
             replica._headers = {"authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
-        rule, target, pack, clients_wait = scenario_router
         self.opts = opts
-        self.gateway = Gateway(replicas, opts, rule, target, pack, auto_restart=True,
-                               api_key=opts.api_key, closed_loop=clients_wait)
+        self.gateway = Gateway(replicas, opts, rule, auto_restart=True, api_key=opts.api_key)
         self.gateway.owns_replicas = False
 
     def __serve_build_asgi_app__(self):
@@ -177,7 +176,7 @@ def ray_resources(spec: ReplicaSpec) -> dict:
     return {"num_cpus": max(spec.threads, 1)}
 
 
-def build_app(replicas: list[RayReplica], opts: ServeOptions, router: tuple):
+def build_app(replicas: list[RayReplica], opts: ServeOptions, router: RouterRule):
     """The Ray Serve application: one engine deployment per replica, the gateway in front."""
     from ray import serve
 
@@ -201,10 +200,7 @@ def prepare_ray(address: str, scenario, configuration: str, args, opts: ServeOpt
     except ImportError:
         raise ValueError("--ray needs Ray Serve: pip install -e '.[serve]' (ray[serve])") from None
     replicas = make_replicas(scenario, configuration, args, RayReplica)
-    from orthrus_sim.experiment.routing import closed_loop
-
-    router = (scenario.cluster.router, replicas[0].spec.plan.config.tpot_target_s,
-              scenario.cluster.adaptive_pack, closed_loop(scenario))
+    router = RouterRule.of(scenario, replicas[0].spec.plan.config.tpot_target_s)
     sock.close()  # Ray Serve's proxy listens there
 
     def run() -> None:

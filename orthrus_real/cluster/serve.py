@@ -100,11 +100,10 @@ def make_gateway(scenario: Scenario, replicas: list[Replica], opts: ServeOptions
                  auto_restart: bool, start_timeout: float):
     """The gateway over ``replicas`` with the scenario's routing rule."""
     from orthrus_real.cluster.gateway import Gateway
-    from orthrus_sim.experiment.routing import closed_loop
+    from orthrus_sim.experiment.routing import RouterRule
 
-    target = replicas[0].spec.plan.config.tpot_target_s
-    return Gateway(replicas, opts, scenario.cluster.router, target, scenario.cluster.adaptive_pack,
-                   auto_restart, opts.api_key, start_timeout, closed_loop=closed_loop(scenario))
+    rule = RouterRule.of(scenario, replicas[0].spec.plan.config.tpot_target_s)
+    return Gateway(replicas, opts, rule, auto_restart, opts.api_key, start_timeout)
 
 
 def build_cluster(scenario: Scenario, configuration: str, args: ClusterArgs, opts: ServeOptions):

@@ -24,17 +24,33 @@ The prediction is a steady state, per replica of a side (replicas of one arrange
 * normalised throughput: each kind's throughput over one dedicated replica's, the generation
   reference being the split that gives generations all replicas but one (Dedicated-1:3 on four,
   the brief's reference).
+
+With ``cluster.objective: goodput`` (and the scenario's ``slo`` section) the objective is
+normalised *goodput*: a kind counts only where its predicted latencies hold every bound the
+SLOs give it, and among assignments of equal goodput the most normalised throughput wins. A
+kind whose SLOs no assignment holding the TPOT target meets counts by its throughput, as under
+the throughput objective: an SLO out of reach steers nothing (it would otherwise starve the
+kind, every request of it missing anyway). The
+latencies are steady-state means (``latencies``): an embedding's by Little's law over the
+embeddings in flight (closed loop) or one full-budget iteration over the idle share of its
+capacity (open loop); a generation's TTFT as the iteration it arrives in plus its prompt's
+chunks, TPOT the decoding side's iteration, e2e TTFT plus one iteration per further token, and
+every one unbounded where the demand exceeds what the assignment serves. A mean within a bound
+counts the kind in full: the planner chooses between assignments, it does not predict the
+attainment's fraction (``results``' ``slo`` section measures that).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine.batch import ItemKind
 
 FIXED_POINT_ROUNDS = 6  # iteration time <-> prompt tokens per iteration and rider share
+OBJECTIVES = ("throughput", "goodput")
 
 
 @dataclass(frozen=True)
@@ -71,13 +87,24 @@ class Prediction:
     embedding_rps: float
     generation_rps: float
     tpot_s: float  # the decoding side's iteration time (0 without generations)
-    objective: float  # normalised throughput
+    objective: float  # normalised throughput, or goodput (``cluster.objective``)
     feasible: bool  # TPOT within the target (or no generation to decode)
     decode_s: float = 0.0  # the decoding side's iteration before embeddings ride in it
+    throughput: float = 0.0  # normalised throughput (the objective's, when that is throughput)
+    # goodput objective: the predicted mean latencies (s) the SLOs bound, and the kinds meeting
+    latencies: dict[str, float] = field(default_factory=dict)
+    meets: tuple[str, ...] = ()
 
     def as_dict(self, replicas: int) -> dict:
         out = asdict(self)
         out["assignment"] = self.assignment.label(replicas)
+        if not self.latencies:  # the throughput objective: the objective says it all
+            for key in ("throughput", "latencies", "meets"):
+                del out[key]
+        else:  # JSON has no infinity: an unbounded latency is null
+            out["latencies"] = {k: v if math.isfinite(v) else None
+                                for k, v in self.latencies.items()}
+            out["meets"] = list(self.meets)
         return out
 
 
@@ -134,10 +161,13 @@ class PlacementPlanner:
 
     HYSTERESIS = 0.03  # a new plan must predict this much more than the current one
 
-    def __init__(self, replica: Any, replicas: int, target_s: float) -> None:
+    def __init__(self, replica: Any, replicas: int, target_s: float,
+                 slo: dict[str, dict[str, float]] | None = None) -> None:
         self.replica = replica
         self.replicas = replicas
         self.target_s = target_s
+        self.slo = slo  # bounds per kind (``slo_bounds``): the goodput objective; None: throughput
+        self._meetable_for: tuple[Demand, set[str]] | None = None  # the last demand's
         cfg = replica.policy.config
         self.max_seqs = cfg.max_num_seqs
         self.min_chunk = cfg.min_chunk_tokens
@@ -154,13 +184,73 @@ class PlacementPlanner:
 
     # ----- one assignment -------------------------------------------------------------------
     def predict(self, a: Assignment, d: Demand) -> Prediction:
+        p, normalised = self._predict(a, d)
+        if self.slo is None:
+            return p
+        # goodput: the kinds meeting their SLOs, and those whose SLOs no assignment holding
+        # the target meets (they steer nothing: counted by their throughput, not dropped)
+        counted = set(p.meets) | (set(self.slo) - self._meetable(d))
+        return replace(p, objective=sum(normalised[kind] for kind in counted))
+
+    def _predict(self, a: Assignment, d: Demand) -> tuple[Prediction, dict[str, float]]:
+        """The prediction with normalised throughput as its objective (and, with SLOs, its
+        latencies and the kinds meeting them), and each kind's normalised throughput."""
         self._piece = max(1, round(d.embedding_len))
         emb, gen, tpot, holds, alone = self._throughputs(a, d)
         gen_ref = self._generation_reference(d)
         emb_len = max(d.embedding_len, 1.0)
         emb_ref = self._full_rate(emb_len) / emb_len
-        objective = emb / emb_ref + (gen / gen_ref if gen_ref > 0 else 0.0)
-        return Prediction(a, emb, gen, tpot, objective, holds, alone)
+        normalised = {"embedding": emb / emb_ref, "generation": gen / gen_ref if gen_ref > 0 else 0.0}
+        throughput = normalised["embedding"] + normalised["generation"]
+        if self.slo is None:
+            return Prediction(a, emb, gen, tpot, throughput, holds, alone, throughput), normalised
+        latencies = self.latencies(a, d, emb, gen, tpot)
+        meets = tuple(kind for kind, bounds in self.slo.items()
+                      if all(latencies[name] <= bound for name, bound in bounds.items()))
+        return (Prediction(a, emb, gen, tpot, throughput, holds, alone, throughput, latencies,
+                           meets), normalised)
+
+    def _meetable(self, d: Demand) -> set[str]:
+        """The kinds whose SLOs some assignment holding the target meets under ``d``."""
+        if self._meetable_for is None or self._meetable_for[0] != d:
+            kinds = set()
+            for a in self.candidates():
+                p = self._predict(a, d)[0]
+                if p.feasible:
+                    kinds.update(p.meets)
+            self._meetable_for = (d, kinds)
+        return self._meetable_for[1]
+
+    def latencies(self, a: Assignment, d: Demand, emb: float, gen: float,
+                  tpot: float) -> dict[str, float]:
+        """The steady-state mean latencies (s) of assignment ``a`` serving ``emb`` embeddings/s
+        and ``gen`` generations/s at iteration time ``tpot`` (the module docstring says how;
+        ``inf`` where the demand exceeds what it serves)."""
+        inf = math.inf
+        emb_len = max(d.embedding_len, 1.0)
+        full = self._full_rate(emb_len)
+        emb_demand = max(d.embedding_rps, d.embeddings * full / self.budget)
+        if emb_demand <= 0:
+            latency = 0.0
+        elif emb <= 0 or emb < emb_demand * (1 - 1e-6) and not d.closed_loop:
+            latency = inf
+        elif d.closed_loop and d.embeddings > 0:
+            latency = d.embeddings / emb  # Little's law: clients wait for their answers
+        else:
+            capacity = self._throughputs(a, replace(d, embedding_rps=math.inf))[0]
+            busy = d.embedding_rps / capacity if capacity > 0 else 1.0
+            latency = self.budget / full / (1 - busy) if busy < 1 else inf
+        out = {"latency_s": latency}
+        wants_gen = d.generations > 0 or d.generation_rps > 0
+        if not wants_gen:
+            return out | {"ttft_s": 0.0, "tpot_s": 0.0, "e2e_s": 0.0}
+        if gen <= 0 or not d.closed_loop and gen < d.generation_rps * (1 - 1e-6):
+            return out | dict.fromkeys(("ttft_s", "tpot_s", "e2e_s"), inf)
+        cfg = self.replica.policy.config
+        chunk = cfg.chunk_size or cfg.token_budget
+        ttft = tpot * (1 + math.ceil(max(d.prompt_len, 1.0) / chunk))
+        return out | {"ttft_s": ttft, "tpot_s": tpot,
+                      "e2e_s": ttft + max(d.output_len - 1, 0.0) * tpot}
 
     def _throughputs(self, a: Assignment, d: Demand) -> tuple[float, float, float, bool, float]:
         """(embeddings/s, generations/s, TPOT s, the decoding side holds the target, its
@@ -267,6 +357,9 @@ class PlacementPlanner:
             near = [p for p in feasible if p.objective >= top * (1 - 1e-6)]
             # with no embedding asked for, an embedding side only idles: spread the decodes
             idle = -1 if d.embeddings == 0 and d.embedding_rps == 0 else 1
+            if self.slo is not None:  # goodput alike: the most throughput among them
+                most = max(p.throughput for p in near)
+                near = [p for p in near if p.throughput >= most * (1 - 1e-6)]
             best = min(near, key=lambda p: (p.tpot_s, idle * p.assignment.decoding,
                                             p.assignment.riders))
         else:  # none holds: the one that serves the most generations (most decode slots)

@@ -271,7 +271,7 @@ class AdaptivePlacement(_Booked):
     DWELL_S = 3.0
 
     def __init__(self, replicas: list[Any], target_s: float | None, pack: float = 1.0,
-                 closed_loop: bool = False) -> None:
+                 closed_loop: bool = False, slo: dict[str, dict[str, float]] | None = None) -> None:
         super().__init__(replicas, "adaptive")
         if target_s is None:
             raise ValueError("cluster.router 'adaptive' needs scheduler.tpot_target_s: it packs "
@@ -281,7 +281,7 @@ class AdaptivePlacement(_Booked):
         self.target_s = target_s
         self.pack = pack
         self.closed_loop = closed_loop
-        self.planner = (PlacementPlanner(replicas[0], len(replicas), pack * target_s)
+        self.planner = (PlacementPlanner(replicas[0], len(replicas), pack * target_s, slo)
                         if replicas else None)
         self.plan: Prediction | None = None
         self.active: list[Any] = []  # the decoding side, taking new generations
@@ -478,22 +478,54 @@ def _add(acc: list[int], value: int) -> None:
 
 def closed_loop(scenario: Any) -> bool:
     """Whether a scenario's clients wait for their answers (a closed loop): the planner then
-    counts a faster decode as more generations served, not only as shorter TPOT. The simulated
-    cluster and the gateway serving a scenario (``serve --scenario``) both build their router
-    with it, so a measured cluster is placed by the rule its simulation ran."""
+    counts a faster decode as more generations served, not only as shorter TPOT."""
     w = scenario.workload
     return w.kind != "trace" and all(p.process == "closed-loop" for p in w.default_pools())
 
 
+def slo_bounds(scenario: Any) -> dict[str, dict[str, float]] | None:
+    """The SLO bounds per kind the planner holds to with ``cluster.objective: goodput`` (a
+    kind with none: finishing is enough); None for the throughput objective."""
+    if scenario.cluster.objective != "goodput":
+        return None
+    return {kind: scenario.slo.bounds(kind) for kind in ("embedding", "generation")}
+
+
+@dataclass(frozen=True)
+class RouterRule:
+    """How a cluster routes: ``cluster.router`` and, for ``adaptive``, the iteration-time
+    target it packs to, the packing, whether clients wait for answers and the goodput
+    objective's SLO bounds. The simulated cluster and the gateway serving a scenario (``serve
+    --scenario``, Ray Serve's ingress) all take theirs from ``of``, so a measured cluster is
+    placed by the rule its simulation ran."""
+
+    rule: str = "round-robin"
+    target_s: float | None = None
+    pack: float = 1.0
+    closed_loop: bool = False
+    slo: dict[str, dict[str, float]] | None = None
+
+    @classmethod
+    def of(cls, scenario: Any, target_s: float | None) -> RouterRule:
+        """The scenario's rule, with the unified replicas' iteration-time target."""
+        return cls(scenario.cluster.router, target_s, scenario.cluster.adaptive_pack,
+                   closed_loop(scenario), slo_bounds(scenario))
+
+    def make(self, replicas: list[Any]) -> Router:
+        return make_router(self.rule, replicas, self.target_s, self.pack, self.closed_loop,
+                           self.slo)
+
+
 def make_router(rule: str, replicas: list[Any], target_s: float | None = None,
-                pack: float = 1.0, closed_loop: bool = False) -> Router:
+                pack: float = 1.0, closed_loop: bool = False,
+                slo: dict[str, dict[str, float]] | None = None) -> Router:
     """The router for ``cluster.router``. ``adaptive`` places work on unified replicas; a split
     placement (Dedicated, Disagg-PD) already fixes each replica's kind, so there it routes by
     kind, round-robin within a side."""
     if rule == "adaptive" and any(r.role != "unified" for r in replicas):
         return Router(replicas, "round-robin")
     if rule == "adaptive":
-        return AdaptivePlacement(replicas, target_s, pack, closed_loop)
+        return AdaptivePlacement(replicas, target_s, pack, closed_loop, slo)
     if rule == "least-predicted-time":
         return LeastPredictedTime(replicas)
     return Router(replicas, rule)

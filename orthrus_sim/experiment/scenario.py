@@ -64,6 +64,10 @@ class ClusterSection(Strict):
         "packed onto as few replicas as hold the target, embeddings where they finish first)")
     adaptive_pack: float = Field(default=1.0, gt=0, le=1, description="adaptive router: pack a "
                                  "replica's generations up to this fraction of the target")
+    objective: Literal["throughput", "goodput"] = Field(
+        default="throughput", description="adaptive router: what its placement planner "
+        "maximises: normalised throughput, or normalised goodput (the kinds whose predicted "
+        "latencies meet the slo section's bounds; then throughput)")
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
 
 
@@ -469,6 +473,15 @@ class Scenario(Strict):
         if self.cluster.router == "adaptive" and unified and self.scheduler.tpot_target_s is None:
             raise ValueError(f"cluster.router: adaptive places {', '.join(unified)} by the "
                              "iteration-time target: set scheduler.tpot_target_s")
+        if self.cluster.objective == "goodput":
+            if self.slo is None:
+                raise ValueError("cluster.objective: goodput counts the requests that meet the "
+                                 "SLOs: give the slo section (ttft_s, tpot_s, e2e_s, latency_s)")
+            if self.cluster.router != "adaptive":
+                raise ValueError("cluster.objective: goodput is what the adaptive router's "
+                                 f"placement planner maximises; cluster.router is "
+                                 f"{self.cluster.router!r} (set it to adaptive, or leave the "
+                                 "objective at throughput)")
         return self
 
 

@@ -11,7 +11,7 @@ from orthrus_sim.costmodel.factors import apply_factors
 from orthrus_sim.engine.registry import make_policy
 from orthrus_sim.engine.request import Request, RequestState
 from orthrus_sim.experiment.plan import coefficients, cost_factors, plan_configuration
-from orthrus_sim.experiment.routing import closed_loop, make_router
+from orthrus_sim.experiment.routing import RouterRule
 from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.replica import Replica
 
@@ -53,9 +53,8 @@ class Cluster:
 
         self.replicas = [replica(i, plan) for i, plan in enumerate(self.plans)]
         unified = self.plans[0].config if self.plans else None
-        self.router = make_router(scenario.cluster.router, self.replicas,
-                                  unified.tpot_target_s if unified else None,
-                                  scenario.cluster.adaptive_pack, closed_loop(scenario))
+        self.router = RouterRule.of(scenario, unified.tpot_target_s if unified else None).make(
+            self.replicas)
         model = get_model(scenario.model)
         self._kv_bytes_per_token = model.kv_bytes_per_token
         self._link_bw = self.hardware.interconnect_bw
