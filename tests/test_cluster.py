@@ -716,6 +716,16 @@ def test_the_gateway_plans_for_the_clients_its_scenario_has(tiny_models):
         gateway = make_gateway(sc, make_replicas(sc, "orthrus", args), opts, False, 10.0)
         assert isinstance(gateway.router, AdaptivePlacement)
         assert gateway.router.closed_loop is waits
+        assert gateway.router.planner.slo is None  # the throughput objective
+    # the goodput objective reaches the gateway's planner with the scenario's SLOs
+    goodput = parse_scenario({"name": "t", "num_requests": 1, "model": model,
+                              "cluster": {"gpus": 2, "router": "adaptive", "objective": "goodput"},
+                              "slo": {"latency_s": 0.5, "tpot_s": 0.01},
+                              "scheduler": {"tpot_target_s": 0.005}, "configurations": ["orthrus"]})
+    gateway = make_gateway(goodput, make_replicas(goodput, "orthrus", args), opts, False, 10.0)
+    assert gateway.router.planner.slo == {"embedding": {"latency_s": 0.5},
+                                          "generation": {"tpot_s": 0.01}}
+    assert gateway.rule.slo == gateway.router.planner.slo  # kept for the router over those up
     # a split under the same rule and target (its replicas run as stock servers, without the
     # target) is routed by kind; the gateway is built before any replica is routable
     split = make_replicas(closed, "dedicated-1:1", args)
