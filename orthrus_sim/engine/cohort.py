@@ -29,7 +29,7 @@ from orthrus_sim.engine.kv_cache import BlockManager
 from orthrus_sim.engine.request import Request
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity (``_fresh.remove``)
 class Member:
     request: Request
     computed: int  # num_computed when it joined

@@ -67,6 +67,10 @@ class Demand:
     embedding_len: float = 128.0
     closed_loop: bool = True  # generation throughput follows TPOT (clients wait for answers)
 
+    @property
+    def asks_generation(self) -> bool:
+        return self.generations > 0 or self.generation_rps > 0
+
 
 @dataclass(frozen=True)
 class Assignment:
@@ -167,7 +171,10 @@ class PlacementPlanner:
         self.replicas = replicas
         self.target_s = target_s
         self.slo = slo  # bounds per kind (``slo_bounds``): the goodput objective; None: throughput
-        self._meetable_for: tuple[Demand, set[str]] | None = None  # the last demand's
+        # goodput objective: the last demand's raw predictions and the kinds some feasible one
+        # meets (``plan`` asks for every assignment under one demand: each predicted once)
+        self._demand_for: tuple[Demand, dict[Assignment, tuple[Prediction, dict]], set[str]] | None \
+            = None
         cfg = replica.policy.config
         self.max_seqs = cfg.max_num_seqs
         self.min_chunk = cfg.min_chunk_tokens
@@ -184,12 +191,13 @@ class PlacementPlanner:
 
     # ----- one assignment -------------------------------------------------------------------
     def predict(self, a: Assignment, d: Demand) -> Prediction:
-        p, normalised = self._predict(a, d)
         if self.slo is None:
-            return p
+            return self._predict(a, d)[0]
+        raw, meetable = self._for_demand(d)
+        p, normalised = raw[a] if a in raw else self._predict(a, d)
         # goodput: the kinds meeting their SLOs, and those whose SLOs no assignment holding
         # the target meets (they steer nothing: counted by their throughput, not dropped)
-        counted = set(p.meets) | (set(self.slo) - self._meetable(d))
+        counted = set(p.meets) | (set(self.slo) - meetable)
         return replace(p, objective=sum(normalised[kind] for kind in counted))
 
     def _predict(self, a: Assignment, d: Demand) -> tuple[Prediction, dict[str, float]]:
@@ -210,16 +218,14 @@ class PlacementPlanner:
         return (Prediction(a, emb, gen, tpot, throughput, holds, alone, throughput, latencies,
                            meets), normalised)
 
-    def _meetable(self, d: Demand) -> set[str]:
-        """The kinds whose SLOs some assignment holding the target meets under ``d``."""
-        if self._meetable_for is None or self._meetable_for[0] != d:
-            kinds = set()
-            for a in self.candidates():
-                p = self._predict(a, d)[0]
-                if p.feasible:
-                    kinds.update(p.meets)
-            self._meetable_for = (d, kinds)
-        return self._meetable_for[1]
+    def _for_demand(self, d: Demand) -> tuple[dict[Assignment, tuple[Prediction, dict]], set[str]]:
+        """Every assignment's raw prediction under ``d``, and the kinds whose SLOs some
+        assignment holding the target meets (kept for the last demand asked)."""
+        if self._demand_for is None or self._demand_for[0] != d:
+            raw = {a: self._predict(a, d) for a in self.candidates()}
+            meetable = {kind for p, _ in raw.values() if p.feasible for kind in p.meets}
+            self._demand_for = (d, raw, meetable)
+        return self._demand_for[1], self._demand_for[2]
 
     def latencies(self, a: Assignment, d: Demand, emb: float, gen: float,
                   tpot: float) -> dict[str, float]:
@@ -227,9 +233,7 @@ class PlacementPlanner:
         and ``gen`` generations/s at iteration time ``tpot`` (the module docstring says how;
         ``inf`` where the demand exceeds what it serves)."""
         inf = math.inf
-        emb_len = max(d.embedding_len, 1.0)
-        full = self._full_rate(emb_len)
-        emb_demand = max(d.embedding_rps, d.embeddings * full / self.budget)
+        full, emb_demand = self._embedding_demand(d)
         if emb_demand <= 0:
             latency = 0.0
         elif emb <= 0 or emb < emb_demand * (1 - 1e-6) and not d.closed_loop:
@@ -241,8 +245,7 @@ class PlacementPlanner:
             busy = d.embedding_rps / capacity if capacity > 0 else 1.0
             latency = self.budget / full / (1 - busy) if busy < 1 else inf
         out = {"latency_s": latency}
-        wants_gen = d.generations > 0 or d.generation_rps > 0
-        if not wants_gen:
+        if not d.asks_generation:
             return out | {"ttft_s": 0.0, "tpot_s": 0.0, "e2e_s": 0.0}
         if gen <= 0 or not d.closed_loop and gen < d.generation_rps * (1 - 1e-6):
             return out | dict.fromkeys(("ttft_s", "tpot_s", "e2e_s"), inf)
@@ -256,10 +259,9 @@ class PlacementPlanner:
         """(embeddings/s, generations/s, TPOT s, the decoding side holds the target, its
         iteration before riders) of assignment ``a`` under demand ``d``."""
         k = a.decoding
-        wants_gen = d.generations > 0 or d.generation_rps > 0
+        wants_gen = d.asks_generation
         emb_len = max(d.embedding_len, 1.0)
-        full = self._full_rate(emb_len)
-        emb_demand = max(d.embedding_rps, d.embeddings * full / self.budget)
+        full, emb_demand = self._embedding_demand(d)
         side = (self.replicas - k) * full / emb_len
         if k == 0 or not wants_gen:
             if a.riders:  # riders with no decodes: the decoding side embeds too
@@ -305,11 +307,17 @@ class PlacementPlanner:
 
     def _generation_reference(self, d: Demand) -> float:
         """Generations/s per replica of the split giving generations all replicas but one."""
-        if not (d.generations > 0 or d.generation_rps > 0):
+        if not d.asks_generation:
             return 0.0
         k = max(self.replicas - 1, 1)
         gen = self._throughputs(Assignment(k, False), d)[1]
         return gen / k
+
+    def _embedding_demand(self, d: Demand) -> tuple[float, float]:
+        """(embedding tokens/s of a replica with its whole budget, embeddings/s asked: the
+        arrival rate, or what the embeddings in flight fill in one full iteration)."""
+        full = self._full_rate(max(d.embedding_len, 1.0))
+        return full, max(d.embedding_rps, d.embeddings * full / self.budget)
 
     def _full_rate(self, embedding_len: float) -> float:
         """Embedding tokens/s of a replica embedding with its whole budget."""
@@ -341,11 +349,12 @@ class PlacementPlanner:
     def plan(self, d: Demand, current: Assignment | None = None) -> Prediction:
         """The best assignment for ``d``: the highest objective among those holding the target
         (when none does, the one serving the most generations), near-ties going to the lower
-        TPOT, then to fewer decoding replicas (more, when no embedding is asked for). The
+        TPOT, then to fewer decoding replicas (more, when no embedding is asked for); with the
+        goodput objective, near-ties in goodput go first to the most normalised throughput. The
         current assignment stays unless the best predicts an objective more than
-        ``HYSTERESIS`` above it (or as high, with a TPOT that much lower), or it no longer holds
-        the target; an assignment it moves to must hold the target with ``HYSTERESIS`` to
-        spare."""
+        ``HYSTERESIS`` above it (or as high, with a TPOT or a normalised throughput that much
+        better), or it no longer holds the target; an assignment it moves to must hold the
+        target with ``HYSTERESIS`` to spare."""
         preds = [self.predict(a, d) for a in self.candidates()]
         # a move needs margin under the target as well as a better objective: a demand at the
         # boundary where an assignment stops holding the target does not flip it in and out
@@ -367,9 +376,12 @@ class PlacementPlanner:
                        key=lambda p: (p.generation_rps, -p.tpot_s, p.objective))
         if current is not None and current != best.assignment:
             now = self.predict(current, d)
+            # (as high, with that much more throughput: the goodput objective's tie-break; under
+            # the throughput objective the first test already covers it)
             better = best.objective > now.objective * (1 + self.HYSTERESIS) or (
                 best.objective >= now.objective * (1 - 1e-6)
-                and best.tpot_s < now.tpot_s * (1 - self.HYSTERESIS))
+                and (best.tpot_s < now.tpot_s * (1 - self.HYSTERESIS)
+                     or best.throughput > now.throughput * (1 + self.HYSTERESIS)))
             if now.feasible and not better:
                 return now
         return best
