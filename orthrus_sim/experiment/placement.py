@@ -50,7 +50,6 @@ from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine.batch import ItemKind
 
 FIXED_POINT_ROUNDS = 6  # iteration time <-> prompt tokens per iteration and rider share
-OBJECTIVES = ("throughput", "goodput")
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ class Quantiles:
         if self._count == 0:
             return None
         if self._values is not None:
-            return float(np.percentile(np.asarray(self._values, dtype=float), q))
+            return exact_percentiles(self._values)(q)
         rank = q / 100.0 * (self._count - 1)
         seen = self._zeros
         if rank < seen:
@@ -78,8 +78,7 @@ class Quantiles:
     def summary(self) -> dict[str, float | int | None]:
         mean = self._sum / self._count if self._count else None
         if self._values is not None and self._count:  # the array made once for every percentile
-            values = np.asarray(self._values, dtype=float)
-            return summarize(self._count, mean, lambda q: float(np.percentile(values, q)))
+            return summarize(self._count, mean, exact_percentiles(self._values))
         return summarize(self._count, mean, self.percentile)
 
 
@@ -99,8 +98,15 @@ def summarize(count: int, mean: float | None,
     return out
 
 
+def exact_percentiles(values: Sequence[float]) -> Callable[[float], float]:
+    """``percentile(q)`` of ``values``, exact (numpy's linear interpolation), their array
+    made once."""
+    arr = np.asarray(values, dtype=float)
+    return lambda q: float(np.percentile(arr, q))
+
+
 def summary(values: Sequence[float]) -> dict[str, float | int | None]:
     """The summary of a list of values (exact: numpy's linear interpolation)."""
     arr = np.asarray(values, dtype=float)
     return summarize(int(arr.size), float(arr.mean()) if arr.size else None,
-                     lambda q: float(np.percentile(arr, q)))
+                     exact_percentiles(arr))

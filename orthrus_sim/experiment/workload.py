@@ -71,13 +71,7 @@ class Tokens:
 
     @classmethod
     def seeded(cls, seed: int, length: int) -> Tokens:
-        if length <= 0:
-            return cls()
-        tokens = object.__new__(cls)
-        tokens._segments = ((seed, 0, length),)
-        tokens.length = length
-        tokens._mix = None
-        return tokens
+        return cls(((seed, 0, length),)) if length > 0 else cls()
 
     @classmethod
     def mixed(cls, prefix: int, n: int, length: int) -> Tokens:
