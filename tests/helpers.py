@@ -22,10 +22,12 @@ def drive(
     check: Callable[[Policy, BatchUnit, float], None] | None = None,
     max_iterations: int = 200_000,
     aborts: dict[int, list[str]] | None = None,
+    duration: Callable[[BatchUnit], float] | None = None,
 ) -> list[BatchUnit]:
     """Add requests at their arrival times and step until everything finished.
 
-    ``aborts`` maps an iteration number to request ids aborted just before it is scheduled.
+    ``aborts`` maps an iteration number to request ids aborted just before it is scheduled;
+    ``duration`` says how long an iteration takes (1 s each without it).
     """
     pending = sorted(requests, key=lambda r: r.arrival_time)
     batches: list[BatchUnit] = []
@@ -47,7 +49,7 @@ def drive(
             now = pending[i].arrival_time if i < len(pending) else now + 1
             continue
         batches.append(batch)
-        now += 1.0
+        now += 1.0 if duration is None else duration(batch)
         policy.complete(batch, now)
         if len(batches) > max_iterations:
             raise AssertionError(f"more than {max_iterations} iterations")

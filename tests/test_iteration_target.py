@@ -63,7 +63,8 @@ def test_a_bad_target_names_the_field(bad):
 
 def test_a_chunk_beside_decodes_is_cut_to_the_target_in_min_chunk_steps():
     pred = RooflinePredictor()
-    cfg = SchedulerConfig(token_budget=1024, chunk_size=512, tpot_target_s=3.2, min_chunk_tokens=32)
+    cfg = SchedulerConfig(token_budget=1024, chunk_size=512, tpot_target_s=3.2, min_chunk_tokens=32,
+                          tpot_slack_iterations=0)
     policy = make_policy("ibs", cfg, pred)
     gen = Request("g", RequestKind.GENERATION, 0.0, 8, max_output_tokens=50)
     policy.add(gen)
@@ -104,13 +105,14 @@ def test_no_target_means_the_briefs_ibs():
        st.sampled_from([8, 16, 32]),
        st.sampled_from([64, 256]))
 def test_decode_iterations_stay_within_the_target(spec, policy_name, target, min_chunk, budget):
-    """With any monotone predictor: an iteration that carries decodes is predicted above the
-    target only if its decodes alone are, or if it carries a progress chunk (one embedding chunk
-    of at most ``min_chunk_tokens``, at most once in ``PROGRESS_AFTER`` iterations beside decodes
-    that fit); every request still finishes."""
+    """Without slack (``tpot_slack_iterations=0``), with any monotone predictor: an iteration
+    that carries decodes is predicted above the target only if its decodes alone are, or if it
+    carries a progress chunk (one embedding chunk of at most ``min_chunk_tokens``, at most once
+    in ``PROGRESS_AFTER`` iterations beside decodes that fit); every request still finishes."""
     pred = RooflinePredictor()
     cfg = SchedulerConfig(token_budget=budget, chunk_size=min(64, budget), num_blocks=4000,
-                          block_size=16, tpot_target_s=target, min_chunk_tokens=min_chunk)
+                          block_size=16, tpot_target_s=target, min_chunk_tokens=min_chunk,
+                          tpot_slack_iterations=0)
     policy = make_policy(policy_name, cfg, pred)
     requests = make_requests(spec)
     over = []  # decode iterations over the target although their decodes alone are not
@@ -137,6 +139,105 @@ def test_decode_iterations_stay_within_the_target(spec, policy_name, target, min
     drive(policy, requests, check)
     assert all(r.state.value == "finished" for r in requests)
     assert all(b - a >= PROGRESS_AFTER for a, b in zip(over, over[1:]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(request_spec, min_size=1, max_size=40),
+       st.sampled_from(["ibs", "unified-hetero", "unified-homo"]),
+       st.sampled_from([1.6, 2.2, 3.0, 5.0]),
+       st.sampled_from([8, 16, 32]),
+       st.sampled_from([64, 256]),
+       st.sampled_from([1, 3, 8]),
+       st.sampled_from([0.0, 0.01, 0.05]))
+def test_with_slack_every_decode_keeps_the_target_on_its_mean(spec, policy_name, target, min_chunk,
+                                                              budget, slack, credit):
+    """With slack and any monotone predictor (iterations take what it predicts): an iteration
+    that carries decodes goes over the limit (the target plus the running decodes' least slack,
+    at most ``slack`` targets over it) only by one progress chunk or by decodes that alone
+    exceed it; and each decode's time over the target, summed over the iterations it decoded
+    in (what those exceptions took over the limit aside), is at most the credit it has not
+    repaid: none where it ran its expected output, so its TPOT holds the target. Every request
+    still finishes."""
+    pred = RooflinePredictor()
+    cfg = SchedulerConfig(token_budget=budget, chunk_size=min(64, budget), num_blocks=4000,
+                          block_size=16, tpot_target_s=target, min_chunk_tokens=min_chunk,
+                          tpot_slack_iterations=slack, tpot_credit=credit)
+    policy = make_policy(policy_name, cfg, pred)
+    requests = make_requests(spec)
+    excess: dict[str, float] = {}  # per decode: its time over the target, less the overruns
+    steps: dict[str, int] = {}  # per decode: the iterations it decoded in
+
+    def check(policy, batch, now):
+        decodes = decodes_of(batch)
+        if not decodes:
+            return
+        room = policy.target.slack_s()
+        assert 0.0 <= room <= slack * target + 1e-9
+        t, limit = pred.items_time(batch.items), target * (1 - credit) + room
+        overrun = 0.0
+        if t > limit + 1e-9:
+            overrun = t - limit
+            if pred.items_time(decodes) <= limit:
+                small = [it for it in batch.items
+                         if it.kind is ItemKind.EMBED_CHUNK and it.num_tokens <= min_chunk]
+                assert any(pred.items_time([it for it in batch.items if it is not p]) <= limit + 1e-9
+                           for p in small), "a chunk pushed the iteration over the limit"
+            else:
+                assert len(batch.items) - len(decodes) <= 1
+        for it in decodes:
+            rid = it.request.request_id
+            excess[rid] = excess.get(rid, 0.0) + t - target - overrun
+            steps[rid] = steps.get(rid, 0) + 1
+
+    drive(policy, requests, check, duration=lambda batch: pred.items_time(batch.items))
+    assert all(r.state.value == "finished" for r in requests)
+    for r in requests:
+        if r.request_id in excess:
+            unpaid = credit * target * (r.expected_output_tokens - 1 - steps[r.request_id])
+            assert excess[r.request_id] <= max(unpaid, 0.0) + 1e-6
+
+
+def test_saved_slack_lets_a_prompt_go_whole_and_is_paid_back():
+    """Decode iterations under the target save what they leave; a prompt that the target alone
+    would cut goes whole once enough is saved, and its iteration's time over the target comes
+    out of the saving. Without slack the same prompt is cut."""
+    def prompt_chunk(slack: int) -> tuple[int, float, float, float]:
+        pred = RooflinePredictor()
+        cfg = SchedulerConfig(token_budget=1024, chunk_size=512, tpot_target_s=3.0,
+                              min_chunk_tokens=32, tpot_slack_iterations=slack, tpot_credit=0)
+        policy = make_policy("ibs", cfg, pred)
+        policy.add(Request("g", RequestKind.GENERATION, 0.0, 8, max_output_tokens=50))
+        now = 0.0
+        for _ in range(4):  # the prompt, then decodes alone: ~2.5 s each against 3 s
+            batch = policy.schedule(now)
+            now += pred.items_time(batch.items)
+            policy.complete(batch, now)
+        policy.add(Request("p", RequestKind.GENERATION, now, 300, max_output_tokens=1), now)
+        before = policy.target.slack_s()
+        batch = policy.schedule(now)
+        t = pred.items_time(batch.items)
+        policy.complete(batch, now + t)
+        chunk = next(it.num_tokens for it in batch.items if it.request.request_id == "p")
+        assert t - 3.0 <= before + 1e-9
+        return chunk, before, policy.target.slack_s(), t
+
+    chunk, before, after, t = prompt_chunk(8)
+    assert chunk == 300 and t > 3.0  # whole, over the target, within what was saved
+    assert after == pytest.approx(before - (t - 3.0))
+    chunk, before, after, _ = prompt_chunk(0)
+    assert before == after == 0.0 and chunk == 192  # cut to what the target alone leaves
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8", None])
+def test_a_bad_slack_names_the_field(bad):
+    with pytest.raises(ValueError, match="scheduler.tpot_slack_iterations"):
+        SchedulerConfig(tpot_target_s=0.02, tpot_slack_iterations=bad)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, float("nan"), float("inf"), True, "0.01", None])
+def test_a_bad_credit_names_the_field(bad):
+    with pytest.raises(ValueError, match="scheduler.tpot_credit"):
+        SchedulerConfig(tpot_target_s=0.02, tpot_credit=bad)
 
 
 def test_embeddings_progress_beside_decodes_that_alone_miss_the_target():
@@ -200,7 +301,7 @@ def test_the_pytorch_engine_keeps_decode_iterations_within_its_calibrated_target
 
     base, _, _ = run(SchedulerConfig(token_budget=256, chunk_size=128))
     out, seen, eng = run(SchedulerConfig(token_budget=256, chunk_size=128, tpot_target_s=target,
-                                         min_chunk_tokens=16))
+                                         min_chunk_tokens=16, tpot_slack_iterations=0))
     assert "predicted by" in eng.describe()["tpot_target"]
     check = calibrated_predictor(cal, str(path), 4)
     cut = 0
@@ -218,6 +319,16 @@ def test_the_pytorch_engine_keeps_decode_iterations_within_its_calibrated_target
     for i in range(3):
         assert out[f"g{i}"].token_ids == base[f"g{i}"].token_ids
         np.testing.assert_allclose(out[f"e{i}"].embedding, base[f"e{i}"].embedding, atol=1e-5)
+    # with the default slack the engine reports to the target what it needs: each generation
+    # that began decoding, every iteration's time on its clock; outputs stay the same
+    out, _, eng = run(SchedulerConfig(token_budget=256, chunk_size=128, tpot_target_s=target,
+                                      min_chunk_tokens=16))
+    assert "TPOT" in eng.describe()["tpot_target"]
+    target_state = eng.policy.target
+    assert target_state.slack_cap_s > 0 and target_state._seq == 3 and target_state.ledger_s != 0
+    for i in range(3):
+        assert out[f"g{i}"].token_ids == base[f"g{i}"].token_ids
+        np.testing.assert_allclose(out[f"e{i}"].embedding, base[f"e{i}"].embedding, atol=1e-5)
 
 
 def test_a_target_on_the_engine_needs_a_calibration(tiny_models):
@@ -230,7 +341,8 @@ def test_a_target_on_the_engine_needs_a_calibration(tiny_models):
 
 
 @pytest.mark.parametrize("router", ["round-robin", "adaptive"])
-def test_simulated_target_runs_equal_stepping(router):
+@pytest.mark.parametrize("slack", [0, 8])
+def test_simulated_target_runs_equal_stepping(router, slack):
     """With a target, the simulator's decode runs give what stepping every iteration gives
     (a decode run is not taken while embeddings wait: a progress chunk may let one in)."""
     import math
@@ -239,7 +351,8 @@ def test_simulated_target_runs_equal_stepping(router):
     from orthrus_sim.sim.run import simulate
     from tests.test_simulator import mixed_raw
 
-    raw = mixed_raw(duration_s=15, scheduler={"tpot_target_s": 0.03, "min_chunk_tokens": 32},
+    raw = mixed_raw(duration_s=15, scheduler={"tpot_target_s": 0.03, "min_chunk_tokens": 32,
+                                              "tpot_slack_iterations": slack},
                     cluster={"gpus": 2, "router": router})
     scenario = parse_scenario(raw)
     fast = simulate(scenario, "orthrus", fast_forward=True)
@@ -257,7 +370,8 @@ def test_no_progress_chunk_while_embeddings_progress():
     """The starvation ride (PROGRESS_AFTER) is for embeddings that get nothing: while a cut
     chunk goes every iteration, no iteration goes over the target (review finding)."""
     pred = RooflinePredictor(fixed=0.0, per_token=0.05, weights=10.0, per_kv=0.0, per_seq=0.1)
-    cfg = SchedulerConfig(token_budget=512, chunk_size=256, tpot_target_s=20.0, min_chunk_tokens=32)
+    cfg = SchedulerConfig(token_budget=512, chunk_size=256, tpot_target_s=20.0, min_chunk_tokens=32,
+                          tpot_slack_iterations=0)
     policy = make_policy("ibs", cfg, pred)
     for i in range(4):
         policy.add(Request(f"g{i}", RequestKind.GENERATION, 0.0, 4, max_output_tokens=300))
@@ -337,7 +451,7 @@ def test_a_cut_chunk_past_its_blocks_ends_where_they_end_then_the_rest_goes_last
     so its third chunk ends where its blocks end (48..64) and the remaining 36 go whole, as the
     last chunk (which stores nothing): it completes holding the 4 blocks it was admitted with."""
     cfg = SchedulerConfig(token_budget=128, chunk_size=64, block_size=16, num_blocks=6,
-                          tpot_target_s=24.0, min_chunk_tokens=8)
+                          tpot_target_s=24.0, min_chunk_tokens=8, tpot_slack_iterations=0)
     policy = make_policy("ibs", cfg, ChunkTokensPredictor())
     gen, emb = make_requests([("generation", 0, 15, 50), ("embedding", 0, 100, 0)])
     policy.add(gen)
@@ -364,7 +478,7 @@ def test_a_waiting_embedding_cut_short_waits_for_the_blocks_of_its_first_piece()
     decode it must store them: with no block free it waits (holding none) rather than store
     keys and values nowhere, and goes once the decode has finished and freed its blocks."""
     cfg = SchedulerConfig(token_budget=128, chunk_size=64, block_size=16, num_blocks=2,
-                          tpot_target_s=24.0, min_chunk_tokens=8)
+                          tpot_target_s=24.0, min_chunk_tokens=8, tpot_slack_iterations=0)
     policy = make_policy("ibs", cfg, ChunkTokensPredictor())
     gen, emb = make_requests([("generation", 0, 16, 8), ("embedding", 0, 40, 0)])
     policy.add(gen)

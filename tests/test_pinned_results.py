@@ -30,6 +30,11 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "mix_sweep/disagg-pd-2:2": ("mix_sweep", SHORT, "disagg-pd-2:2"),
     "mix_sweep/adaptive-target": ("mix_sweep", SHORT + ["scheduler.tpot_target_s=0.03",
                                                         "cluster.router=adaptive"], "orthrus"),
+    # the target with every iteration capped (no slack): as before the slack existed
+    "mix_sweep/adaptive-target-strict": ("mix_sweep", SHORT + ["scheduler.tpot_target_s=0.03",
+                                                               "scheduler.tpot_slack_iterations=0",
+                                                               "cluster.router=adaptive"],
+                                         "orthrus"),
     "mix_sweep/mixed-pool-reserve": ("mix_sweep", SHORT + ["workload.arrival.pools=mixed",
                                                            "scheduler.kv_admission=reserve"],
                                      "orthrus"),
@@ -41,7 +46,8 @@ CASES: dict[str, tuple[str, list[str], str]] = {
 PINNED = {
     "iter_retgen/orthrus": "e76b66126825ed7d35c9",
     "kv_pressure/orthrus": "49c2f583421d37b25b31",
-    "mix_sweep/adaptive-target": "589de2156fc4a6e9a7de",
+    "mix_sweep/adaptive-target": "d7583f65e933f340cfc9",
+    "mix_sweep/adaptive-target-strict": "589de2156fc4a6e9a7de",
     "mix_sweep/dedicated-1:3": "aea340ea9266dd97399e",
     "mix_sweep/disagg-pd-2:2": "d0b10f530d88aea76a26",
     "mix_sweep/mixed-pool-reserve": "2ac1e1654899592b0418",

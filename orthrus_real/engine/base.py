@@ -164,8 +164,7 @@ class EngineBase:
                 "token_budget": c.token_budget,
                 "chunk_size": c.chunk_size if c.chunk_size is not None else "none (atomic)",
                 "max_num_seqs": c.max_num_seqs, "kv_admission": c.kv_admission,
-                "tpot_target": (f"{c.tpot_target_s * 1e3:g} ms per decode iteration, predicted "
-                                f"by {self.calibration}" if c.tpot_target_s else "none"),
+                "tpot_target": (_target_words(c, self.calibration) if c.tpot_target_s else "none"),
                 "embedding_adapter": (f"{self.adapter_name} (rank {self.adapter_rank}"
                                       + (", merged into the weights)" if self.adapter_merged
                                          else ")") if self.adapter_name else "none")}
@@ -374,3 +373,12 @@ class EngineBase:
 def _complete(text: str) -> str:
     """``text`` without a trailing incomplete character (decoded as U+FFFD)."""
     return text.rstrip("\ufffd")
+
+
+def _target_words(c, calibration: str) -> str:
+    """The iteration-time target as the startup log says it."""
+    ms = f"{c.tpot_target_s * 1e3:g} ms"
+    if not c.tpot_slack_iterations:
+        return f"{ms} per decode iteration, predicted by {calibration}"
+    return (f"{ms} on each decode's TPOT (one iteration up to {c.tpot_slack_iterations} targets "
+            f"over it from the decodes' slack), predicted by {calibration}")

@@ -70,6 +70,7 @@ class BatchUnit:
     num_decodes: int = 0
     cohort_decodes: int = 0
     cohort_kv: int = 0
+    started_at: float = 0.0  # the executor's clock when scheduled: the target's slack reads it
     _sorted: bool = field(default=True, repr=False)
 
     def add(self, request: Request, kind: ItemKind, num_tokens: int) -> BatchItem:

@@ -41,6 +41,19 @@ class SchedulerConfig:
         ``None``: no target, the brief's behaviour). While decodes run, the chunks a policy adds
         are cut so that the batch's *predicted* time stays within it (docs/scheduler.md,
         "Iteration-time target"); the executor hands the policy the predictor.
+    tpot_slack_iterations: how far one decode-carrying iteration may go over the target, in
+        targets, out of what the running decodes saved (docs/scheduler.md, "Slack"): each
+        decode's slack is what the iterations since it began decoding left of the target, and
+        a chunk may go where the batch is predicted within the target plus the least slack of
+        the running decodes. So the target holds on every decode's mean time per token (what
+        TPOT measures), and a prompt or an embedding chunk may go whole now and then where a
+        per-iteration cap would cut it to crumbs. ``0``: every iteration within the target (an
+        inter-token cap).
+    tpot_credit: what a decode may take over the target ahead and repay over its output, as a
+        share of the target per decode it expects: so that a prompt need not wait for the
+        newest decode to save its cost first. Repaid by its expected last token, so its TPOT
+        still ends within the target where it stops there (an output cut short may end over
+        it by up to this share of the target times its expected over its actual decodes).
     min_chunk_tokens: the smallest chunk the target cuts a prompt or embedding chunk to (and
         the step it cuts in); a shorter remainder goes whole.
     embedding_kv: which of an embedding's keys and values are stored in the KV cache:
@@ -60,6 +73,8 @@ class SchedulerConfig:
     max_model_len: int | None = None
     kv_admission: str = "optimistic"
     tpot_target_s: float | None = None
+    tpot_slack_iterations: int = 8
+    tpot_credit: float = 0.01
     min_chunk_tokens: int = 32
     embedding_kv: str = "read"
 
@@ -84,6 +99,14 @@ class SchedulerConfig:
         if self.max_model_len is not None:
             positive("max_model_len", self.max_model_len)
         positive("min_chunk_tokens", self.min_chunk_tokens)
+        if (isinstance(self.tpot_slack_iterations, bool)
+                or not isinstance(self.tpot_slack_iterations, int) or self.tpot_slack_iterations < 0):
+            raise ValueError(f"scheduler.tpot_slack_iterations must be a non-negative integer, "
+                             f"got {self.tpot_slack_iterations!r}")
+        if (isinstance(self.tpot_credit, bool) or not isinstance(self.tpot_credit, int | float)
+                or not 0 <= self.tpot_credit < 1):
+            raise ValueError(f"scheduler.tpot_credit must be a fraction in [0, 1), "
+                             f"got {self.tpot_credit!r}")
         if self.tpot_target_s is not None and (
                 isinstance(self.tpot_target_s, bool) or not isinstance(self.tpot_target_s, int | float)
                 or not self.tpot_target_s > 0 or self.tpot_target_s == float("inf")):

@@ -13,6 +13,7 @@ between.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from orthrus_sim.engine.batch import BatchUnit
@@ -44,9 +45,10 @@ def decode_run_length(policy: Policy, batch: BatchUnit) -> int:
     nothing_waits = len(policy._requests) == members
     if not (nothing_waits or policy.clock_free):
         return 0
-    if policy.target is not None and policy._embeddings and not nothing_waits:
-        # an embedding refused for the target rides after PROGRESS_AFTER iterations, or once
-        # the decodes alone grow past it (iteration_target.py): it may not stay out for the run
+    if policy.target is not None and not nothing_waits:
+        # a chunk refused for the target may go as the decodes' unused time is saved, an
+        # embedding after PROGRESS_AFTER iterations or once the decodes alone grow past it
+        # (iteration_target.py): what waits may not stay out for the run
         return 0
     return cohort.steps_fitting(cohort.next_finish() - cohort.steps)
 
@@ -70,9 +72,14 @@ def run_on(policy: Policy) -> int:
     return cohort.steps_fitting(cohort.next_finish() - cohort.steps)
 
 
-def complete_decode_run(policy: Policy, steps: int, now: float) -> list[Request]:
-    """Apply the first ``steps`` iterations of a run at once (``now``: the end of the last);
-    returns the members that finish then (only at the run's last step)."""
+def complete_decode_run(policy: Policy, now: float, start: float,
+                        ends: Sequence[float]) -> list[Request]:
+    """Apply at once the iterations of a run that began at ``start`` and ended at ``ends``
+    (``now``: the last end); returns the members that finish then (only at the run's last
+    step)."""
+    steps = len(ends)
+    if policy.target is not None:
+        policy.target.spent_steps(start, ends)
     cohort = policy._cohort
     cohort.set_blocks(cohort.steps + steps - 1)  # the last step scheduled grew these
     policy.iterations += steps

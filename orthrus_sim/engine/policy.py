@@ -71,7 +71,8 @@ class Policy(SchedulingSteps, abc.ABC):
                     "uses its cost model; a real engine needs a calibration (serve --calibration "
                     "FILE, from `orthrus-real calibrate`)")
             self.target = IterationTarget(self.config.tpot_target_s, self.config.min_chunk_tokens,
-                                          predictor)
+                                          predictor, self.config.tpot_slack_iterations,
+                                          self.config.tpot_credit)
         self.iterations = 0
         self._added = 0
 
@@ -101,6 +102,7 @@ class Policy(SchedulingSteps, abc.ABC):
 
     def schedule(self, now: float = 0.0) -> BatchUnit:
         batch = self._start_iteration()
+        batch.started_at = now
         self.fill(batch, now)
         return batch.finalize()
 
@@ -109,6 +111,9 @@ class Policy(SchedulingSteps, abc.ABC):
     ) -> list[Request]:
         """Apply a finished forward pass; ``stopped`` names generation requests that hit a stop."""
         self.iterations += 1
+        target = self.target
+        if target is not None:
+            target.spent(now - batch.started_at, batch.num_decodes > 0)
         left: list[Request] = []
         running = RUNNING
         embed_chunk, decode = EMBED_CHUNK, DECODE
@@ -138,6 +143,8 @@ class Policy(SchedulingSteps, abc.ABC):
                 if req.num_computed != req.input_len + req.num_generated:
                     continue  # more of the prompt to go
                 self._prefilling.remove(req)  # prompt (or recompute) done: it decodes now
+                if target is not None:
+                    target.started(req)
             generated = req.num_generated = req.num_generated + 1
             if req.first_token_at is None:
                 req.first_token_at = now

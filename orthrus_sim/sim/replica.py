@@ -304,7 +304,7 @@ class Replica:
                     if ends[done - 1] > env.now:
                         yield Timeout(env, _delay_to(env.now, ends[done - 1]))
             self._account_phase(done)
-            left = complete_decode_run(policy, done, env.now)
+            left = complete_decode_run(policy, env.now, start, ends[:done])
             self._leave(left)
             if done < steps or not left or self._arrived:
                 return  # work arrived (or a leaving request sent more), or the KV cache is full
@@ -335,9 +335,9 @@ class Replica:
         exactly now is not; ``progress`` counts them, and the one in flight), and write the
         decode cohort's progress into its requests."""
         if self._run is not None:
-            _, _, ends = self._run
+            _, start, ends = self._run
             done = bisect_left(ends, self.env.now)
             if done:
-                self._leave(complete_decode_run(self.policy, done, ends[done - 1]))
+                self._leave(complete_decode_run(self.policy, ends[done - 1], start, ends[:done]))
         if self.policy._cohort is not None:
             self.policy._cohort.sync()
