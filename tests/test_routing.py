@@ -96,6 +96,34 @@ def test_adaptive_spreads_generations_when_no_embedding_waits():
     assert {router.route(gen(i, i / 4)).index for i in range(40)} == {0, 1, 2, 3}
 
 
+def test_adaptive_takes_the_embedding_side_in_turn_while_their_queues_tie():
+    """Embedding replicas whose queues all go with their next iteration tie (counted in whole
+    token budgets): embeddings go round them in turn, as a split's round-robin sends them,
+    not all to the lowest index; one whose queue is a budget longer gets none until the
+    others catch up. Turns are counted on the embedding side only."""
+    reps = [FakeReplica(i) for i in range(3)]
+    router = make_router("adaptive", reps, TARGET, closed_loop=True)
+    for i in range(400):
+        router.route(emb(i))
+    router.route(gen(0, 1.0))  # one replica decodes; two embed
+    side = [r.index for r in reps if r not in router.decoding()]
+    assert len(side) == 2
+    for i in range(400):
+        router.release(emb(i))
+    for i in range(5):  # less than a budget ahead on the first: all still go next iteration
+        router._book(emb(500 + i, 1.1), reps[side[0]])
+    turns = [router.route(emb(1000 + i, 1.1)).index for i in range(6)]
+    assert turns == [side[0], side[1]] * 3 or turns == [side[1], side[0]] * 3
+    for i in range(6):
+        router.release(emb(1000 + i))
+    for i in range(5):
+        router.release(emb(500 + i))
+    # a budget (2,048 tokens: 16 of 128) more on the first: the next ones go to the second
+    for i in range(16):
+        router._book(emb(2000 + i, 1.2), reps[side[0]])
+    assert {router.route(emb(3000 + i, 1.2)).index for i in range(15)} == {side[1]}
+
+
 def test_adaptive_needs_a_target():
     with pytest.raises(ValueError, match="tpot_target_s"):
         AdaptivePlacement([FakeReplica(0)], None)
