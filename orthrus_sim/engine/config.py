@@ -50,10 +50,11 @@ class SchedulerConfig:
         per-iteration cap would cut it to crumbs. ``0``: every iteration within the target (an
         inter-token cap).
     tpot_credit: what a decode may take over the target ahead and repay over its output, as a
-        share of the target per decode it expects: so that a prompt need not wait for the
-        newest decode to save its cost first. Repaid by its expected last token, so its TPOT
-        still ends within the target where it stops there (an output cut short may end over
-        it by up to this share of the target times its expected over its actual decodes).
+        share of the target per decode it expects (at most ``tpot_slack_iterations`` targets
+        in all): so that a prompt need not wait for the newest decode to save its cost first.
+        Each iteration counts a target shorter by this share, so the credit is repaid by the
+        decode's expected last token where its iterations leave that room; a decode ends over
+        the target by at most the credit it took (``slack.py`` lists when).
     min_chunk_tokens: the smallest chunk the target cuts a prompt or embedding chunk to (and
         the step it cuts in); a shorter remainder goes whole.
     embedding_kv: which of an embedding's keys and values are stored in the KV cache:

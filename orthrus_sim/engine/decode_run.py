@@ -45,10 +45,12 @@ def decode_run_length(policy: Policy, batch: BatchUnit) -> int:
     nothing_waits = len(policy._requests) == members
     if not (nothing_waits or policy.clock_free):
         return 0
-    if policy.target is not None and not nothing_waits:
-        # a chunk refused for the target may go as the decodes' unused time is saved, an
-        # embedding after PROGRESS_AFTER iterations or once the decodes alone grow past it
-        # (iteration_target.py): what waits may not stay out for the run
+    target = policy.target
+    if target is not None and not nothing_waits and (target.slack is not None
+                                                    or policy._embeddings):
+        # an embedding refused for the target rides after PROGRESS_AFTER iterations, or once
+        # the decodes alone grow past it, and with slack any chunk may go as the decodes save
+        # (iteration_target.py, slack.py): what waits may not stay out for the run
         return 0
     return cohort.steps_fitting(cohort.next_finish() - cohort.steps)
 
@@ -78,8 +80,11 @@ def complete_decode_run(policy: Policy, now: float, start: float,
     (``now``: the last end); returns the members that finish then (only at the run's last
     step)."""
     steps = len(ends)
-    if policy.target is not None:
-        policy.target.spent_steps(start, ends)
+    slack = policy.target.slack if policy.target is not None else None
+    if slack is not None:
+        for end in ends:
+            slack.spent(start, end, True)
+            start = end
     cohort = policy._cohort
     cohort.set_blocks(cohort.steps + steps - 1)  # the last step scheduled grew these
     policy.iterations += steps

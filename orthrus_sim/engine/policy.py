@@ -111,9 +111,9 @@ class Policy(SchedulingSteps, abc.ABC):
     ) -> list[Request]:
         """Apply a finished forward pass; ``stopped`` names generation requests that hit a stop."""
         self.iterations += 1
-        target = self.target
-        if target is not None:
-            target.spent(now - batch.started_at, batch.num_decodes > 0)
+        slack = self.target.slack if self.target is not None else None
+        if slack is not None:
+            slack.spent(batch.started_at, now, batch.num_decodes > 0)
         left: list[Request] = []
         running = RUNNING
         embed_chunk, decode = EMBED_CHUNK, DECODE
@@ -143,8 +143,9 @@ class Policy(SchedulingSteps, abc.ABC):
                 if req.num_computed != req.input_len + req.num_generated:
                     continue  # more of the prompt to go
                 self._prefilling.remove(req)  # prompt (or recompute) done: it decodes now
-                if target is not None:
-                    target.started(req)
+                began = True
+            else:
+                began = False
             generated = req.num_generated = req.num_generated + 1
             if req.first_token_at is None:
                 req.first_token_at = now
@@ -155,8 +156,11 @@ class Policy(SchedulingSteps, abc.ABC):
                 self._release(req)
                 req.transition(WAITING)
                 left.append(req)
-            elif cohort is not None:
-                joining.append(req)
+            else:
+                if began and slack is not None:
+                    slack.began(req)
+                if cohort is not None:
+                    joining.append(req)
         if pending:
             self._advance_cohort(1, now, left)
         if joining:

@@ -125,8 +125,8 @@ class Request:
     # ``kind is EMBEDDING``, kept as a field (read several times per request per step): derived
     # from ``kind`` at construction, so ``kind`` is not to be reassigned
     is_embedding: bool = field(default=False, init=False)
-    # the iteration-time target's mark of this decode (``IterationTarget.started``; 0: none)
-    slack_mark: int = field(default=0, init=False)
+    # this decode's ticket in its replica's slack account (``DecodeSlack.began``; 0: none)
+    slack_ticket: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         rid = self.request_id
@@ -227,5 +227,5 @@ class Request:
         """Preemption by recompute: drop the cache; generated tokens are kept and re-prefilled."""
         self.num_computed = 0
         self.chunks_done = 0
-        self.slack_mark = 0
+        self.slack_ticket = 0
         self.num_preemptions += 1
