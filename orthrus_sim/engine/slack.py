@@ -13,9 +13,11 @@ reports what each iteration took):
   it may take ahead (``tpot_credit`` of the target per decode it expects, at most
   ``tpot_slack_iterations`` targets in all) and repays over its output: the *paced* target
   each iteration counts is the target less that share;
-* ``room_s``: the least slack of the running decodes, within 0 and ``tpot_slack_iterations``
-  targets. A max-heap of the decodes' marks finds it; a decode that left (finished, preempted,
-  aborted) is dropped when it surfaces.
+* ``room_s``: the least slack of the running decodes, within minus and plus
+  ``tpot_slack_iterations`` targets: below zero (iterations took more than the paced target
+  allowed: a predictor that under-predicts, a progress chunk) the limit drops under the paced
+  target until the decodes are repaid. A max-heap of the decodes' marks finds it; a decode
+  that left (finished, preempted, aborted) is dropped when it surfaces.
 
 Over the iterations a decode runs in, its time over the target is at most the credit it took,
 so its TPOT ends within the target where the iterations after it left room to repay (it is
@@ -68,14 +70,15 @@ class DecodeSlack:
         self.ended_at = ended
 
     def room_s(self) -> float:
-        """How far the next decode-carrying iteration may go over the paced target: the least
-        slack of the decodes running, within 0 and the cap."""
+        """How far the next decode-carrying iteration may go over the paced target (under it,
+        where negative): the least slack of the decodes running, within minus and plus the
+        cap."""
         marks = self._marks
         while marks:
             if _live(marks[0]):
                 slack = self.ledger_s + marks[0][0]
                 cap = self.cap_s
-                return cap if slack > cap else (slack if slack > 0.0 else 0.0)
+                return cap if slack > cap else (slack if slack > -cap else -cap)
             heapq.heappop(marks)
         return 0.0
 
