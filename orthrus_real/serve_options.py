@@ -39,8 +39,9 @@ SetField = Annotated[list[str], typer.Option(
     "scheduler.FIELD=VALUE")]
 KvCacheTokens = Annotated[int, typer.Option(help="KV-cache capacity in tokens")]
 TpotTarget = Annotated[float | None, typer.Option(
-    "--tpot-target", help="seconds an iteration that carries decodes may take (predicted; needs "
-    "--calibration)")]
+    "--tpot-target", help="TPOT target in seconds: chunks beside decodes are cut so that each "
+    "decode's mean time per token holds it (predicted, with the steps' measured slack; needs "
+    "--calibration; --set scheduler.tpot_slack_iterations=0 caps every step instead)")]
 Calibration = Annotated[str | None, typer.Option(
     "--calibration", help="cost model fitted to this engine (`orthrus-real calibrate`): predicts "
     "iteration times")]
