@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -176,9 +178,8 @@ def test_with_slack_every_decode_keeps_the_target_on_its_mean(spec, policy_name,
         if not decodes:
             iterations.append((now, now + t, set(), t))
             return
-        room = policy.target.slack.room_s()
-        assert -slack * target - 1e-9 <= room <= slack * target + 1e-9
-        limit = paced + room
+        limit = policy.target.slack.limit_s()
+        assert target - slack * target - 1e-9 <= limit <= target + slack * target + 1e-9
         overrun = 0.0
         if t > limit + 1e-9:
             overrun = t - limit
@@ -200,12 +201,15 @@ def test_with_slack_every_decode_keeps_the_target_on_its_mean(spec, policy_name,
                 if it[0] >= r.first_token_at - 1e-9 and it[1] <= r.finished_at + 1e-9]
         carrying = [it for it in life if it[2]]
         taken = min(credit * target * (r.expected_output_tokens - 1), slack * target)
+        repaying = math.ceil(taken / (credit * target) - 1e-9) if credit else 0
+        allowed = (paced * min(len(carrying), repaying)
+                   + target * max(len(carrying) - repaying, 0) + taken)
         exceptions = sum(it[3] for it in life)
         elapsed = r.finished_at - r.first_token_at
-        assert elapsed <= paced * len(carrying) + taken + exceptions + 1e-6
+        # the exceptions count twice at most: a debt past the floor is forgiven
+        assert elapsed <= allowed + 2 * exceptions + 1e-6
         if exceptions == 0 and all(r.request_id in it[2] for it in carrying):
-            assert elapsed / (r.num_generated - 1) <= target * (1 + 1e-9) + taken / (
-                r.num_generated - 1) - credit * target
+            assert elapsed <= target * (r.num_generated - 1) * (1 + 1e-9) + 1e-9
 
 
 def test_saved_slack_lets_a_prompt_go_whole_and_is_paid_back():
@@ -224,19 +228,69 @@ def test_saved_slack_lets_a_prompt_go_whole_and_is_paid_back():
             now += pred.items_time(batch.items)
             policy.complete(batch, now)
         policy.add(Request("p", RequestKind.GENERATION, now, 300, max_output_tokens=1), now)
-        before = policy.target.slack.room_s() if slack else 0.0
+        before = policy.target.slack.limit_s() - 3.0 if slack else 0.0
         batch = policy.schedule(now)
         t = pred.items_time(batch.items)
         policy.complete(batch, now + t)
         chunk = next(it.num_tokens for it in batch.items if it.request.request_id == "p")
         assert t - 3.0 <= before + 1e-9
-        return chunk, before, policy.target.slack.room_s() if slack else 0.0, t
+        return chunk, before, policy.target.slack.limit_s() - 3.0 if slack else 0.0, t
 
     chunk, before, after, t = prompt_chunk(8)
     assert chunk == 300 and t > 3.0  # whole, over the target, within what was saved
     assert after == pytest.approx(before - (t - 3.0))
     chunk, before, after, _ = prompt_chunk(0)
     assert before == after == 0.0 and chunk == 192  # cut to what the target alone leaves
+
+
+def test_a_long_decode_that_repaid_its_credit_leaves_prompts_room():
+    """A decode whose credit is capped repays it for as many iterations as it took to earn,
+    then counts the full target: decodes alone between the paced target and the target do not
+    drive its slack down for the rest of a long output, so a prompt arriving late still goes
+    at once (as with the cap on every iteration)."""
+    pred = RooflinePredictor(per_kv=0.0)  # one decode alone: 2.505 s, beside 100 tokens 2.51
+    cfg = SchedulerConfig(token_budget=1024, chunk_size=512, tpot_target_s=2.52,
+                          min_chunk_tokens=32, tpot_slack_iterations=8, tpot_credit=0.01)
+    policy = make_policy("ibs", cfg, pred)
+    policy.add(Request("g", RequestKind.GENERATION, 0.0, 8, max_output_tokens=6000))
+    now = 0.0
+    for _ in range(4500):
+        batch = policy.schedule(now)
+        now += pred.items_time(batch.items)
+        policy.complete(batch, now)
+    policy.add(Request("p", RequestKind.GENERATION, now, 100, max_output_tokens=5), now)
+    batch = policy.schedule(now)
+    assert [(it.request.request_id, it.num_tokens) for it in batch.items
+            if it.kind is ItemKind.PREFILL_CHUNK] == [("p", 100)]
+
+
+def test_steps_slower_than_predicted_put_the_decodes_in_debt_until_repaid():
+    """Steps that take longer than the predictor says leave the running decodes in debt: the
+    limit drops under the target, and a prompt the target alone would let in part waits until
+    the steps have repaid it."""
+    pred = RooflinePredictor(per_kv=0.0)  # one decode alone: 2.505 s
+    cfg = SchedulerConfig(token_budget=1024, chunk_size=512, tpot_target_s=3.0,
+                          min_chunk_tokens=32, tpot_slack_iterations=8, tpot_credit=0.01)
+    policy = make_policy("ibs", cfg, pred)
+    policy.add(Request("g", RequestKind.GENERATION, 0.0, 8, max_output_tokens=30))
+    now = 0.0
+    for i in range(8):  # the prompt, then decodes that each take a second longer than predicted
+        batch = policy.schedule(now)
+        now += pred.items_time(batch.items) + (1.0 if i else 0.0)
+        policy.complete(batch, now)
+    assert policy.target.slack.limit_s() < pred.items_time(batch.items)  # in debt
+    policy.add(Request("p", RequestKind.GENERATION, now, 300, max_output_tokens=5), now)
+    waited = 0
+    while True:
+        batch = policy.schedule(now)
+        chunk = [it.num_tokens for it in batch.items if it.request.request_id == "p"]
+        if chunk:
+            break
+        waited += 1
+        now += pred.items_time(batch.items)  # steps as predicted now: they repay
+        policy.complete(batch, now)
+    assert waited > 0 and chunk[0] > 0
+    assert waited < 40
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "8", None])
@@ -336,7 +390,7 @@ def test_the_pytorch_engine_keeps_decode_iterations_within_its_calibrated_target
                                       min_chunk_tokens=16))
     assert "TPOT" in eng.describe()["tpot_target"]
     account = eng.policy.target.slack
-    assert account is not None and account._tickets == 3 and account.ledger_s != 0
+    assert account is not None and account._tickets >= 3 and account.ledger_s != 0
     for i in range(3):
         assert out[f"g{i}"].token_ids == base[f"g{i}"].token_ids
         np.testing.assert_allclose(out[f"e{i}"].embedding, base[f"e{i}"].embedding, atol=1e-5)

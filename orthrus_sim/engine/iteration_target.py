@@ -84,7 +84,7 @@ class IterationTarget:
             return n
         predict, target, step = self.predictor.predict, self.target_s, self.min_chunk
         slack = self.slack
-        limit = target if slack is None else slack.paced_s + slack.room_s()
+        limit = target if slack is None else slack.limit_s()
         start = request.num_computed
 
         def fits(tokens: int) -> bool:
