@@ -143,9 +143,6 @@ class Policy(SchedulingSteps, abc.ABC):
                 if req.num_computed != req.input_len + req.num_generated:
                     continue  # more of the prompt to go
                 self._prefilling.remove(req)  # prompt (or recompute) done: it decodes now
-                began = True
-            else:
-                began = False
             generated = req.num_generated = req.num_generated + 1
             if req.first_token_at is None:
                 req.first_token_at = now
@@ -157,7 +154,7 @@ class Policy(SchedulingSteps, abc.ABC):
                 req.transition(WAITING)
                 left.append(req)
             else:
-                if began and slack is not None:
+                if slack is not None and kind is not decode:  # its prompt done: it decodes now
                     slack.began(req)
                 if cohort is not None:
                     joining.append(req)
