@@ -26,9 +26,14 @@ GPUs, 512 closed-loop clients, 180 s; target < 1 s inside ``simulate`` for every
 configuration), each configuration in its own process; ``--baseline DIR`` times another
 checkout (``git worktree add DIR REV``) beside it, alternated, for a before/after ratio.
 
+``--instructions`` counts what a whole 1-replica Orthrus process executes on Vidur's workload
+under valgrind (cachegrind, no cache simulation) instead of timing it, beside ``--baseline DIR``:
+a before/after ratio that neighbours do not move, for changes of a few per cent.
+
 Run: python benchmarks/simulator_speed.py --vidur DIR --vidur-python PY
      [--rounds 3] [--replicas 1 4] [--no-stepping] [--no-default] [--out speed.json]
      python benchmarks/simulator_speed.py --paper [--baseline DIR] [--rounds 3] [--out paper.json]
+     python benchmarks/simulator_speed.py --instructions [--baseline DIR] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -206,6 +211,54 @@ def paper_scale(console, rounds: int, repeat: int, baseline: Path | None) -> dic
     return {"runs": runs, "medians": medians, "target_s": PAPER_TARGET_S}
 
 
+def count_instructions(replicas: int, tree: Path | None) -> int:
+    """Instructions one whole Orthrus process executes on Vidur's workload (``--child``), with
+    this checkout's code or ``tree``'s, counted by valgrind's cachegrind without its cache
+    simulation: a count a busy neighbour does not move (wall times here spread by 5-10 %), for
+    the before/after ratio of a change too small to time. String hashes are fixed
+    (``PYTHONHASHSEED=0``); what still varies between runs (addresses) moves it by ~1 %."""
+    import re
+    import shutil
+    import subprocess
+
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--instructions needs valgrind on PATH")
+    env = child_env(PYTHONHASHSEED="0", **({"PYTHONPATH": str(tree)} if tree is not None else {}))
+    proc = subprocess.run([valgrind, "--tool=cachegrind", "--cache-sim=no",
+                           "--cachegrind-out-file=/dev/null", sys.executable, __file__,
+                           "--child", str(replicas)], capture_output=True, text=True, env=env)
+    found = re.search(r"I\s+refs:\s+([\d,]+)", proc.stderr)
+    if proc.returncode != 0 or found is None:
+        raise SystemExit(f"counting instructions failed (exit {proc.returncode}):\n"
+                         f"{proc.stderr[-2000:]}")
+    return int(found.group(1).replace(",", ""))
+
+
+def instructions(console, rounds: int, replicas: int, baseline: Path | None) -> dict:
+    """``count_instructions`` of this checkout and ``baseline``, alternated, medians."""
+    import statistics
+    import subprocess
+
+    trees = {"this": None} | ({"baseline": baseline} if baseline is not None else {})
+    for tree in trees.values():  # bytecode caches written outside the count, as run_orthrus does
+        env = child_env(**({"PYTHONPATH": str(tree)} if tree is not None else {}))
+        subprocess.run([sys.executable, __file__, "--child", str(replicas)], env=env,
+                       capture_output=True, check=True)
+    counts: dict[str, list[int]] = {t: [] for t in trees}
+    for r in range(rounds):
+        console.print(f"[dim]instructions, {replicas} replica(s), round {r + 1}/{rounds}[/]")
+        for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+            counts[t].append(count_instructions(replicas, trees[t]))
+    medians = {t: statistics.median(v) for t, v in counts.items()}
+    line = f"instructions, {replicas} replica(s), whole process: this {medians['this']:,.0f}"
+    if baseline is not None:
+        line += (f", baseline {medians['baseline']:,.0f}: "
+                 f"{medians['this'] / medians['baseline']:.3f}x")
+    console.print(line)
+    return {"replicas": replicas, "counts": counts, "medians": medians}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vidur", "--vidur-src", dest="vidur", default=os.environ.get("VIDUR_SRC"),
@@ -225,7 +278,11 @@ def main() -> None:
     ap.add_argument("--paper", action="store_true",
                     help="time the mix sweep's paper-scale point instead (every configuration)")
     ap.add_argument("--baseline", type=Path,
-                    help="with --paper: another checkout (a git worktree) timed alternately")
+                    help="with --paper or --instructions: another checkout (a git worktree) "
+                         "measured alternately")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count the instructions of the Orthrus process on Vidur's workload "
+                         "(the first of --replicas) under valgrind instead of timing it")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--paper-child", help=argparse.SUPPRESS)
     ap.add_argument("--stepping", action="store_true", help=argparse.SUPPRESS)
@@ -243,8 +300,10 @@ def main() -> None:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 120))
-    if args.paper:
-        report = paper_scale(console, args.rounds, args.orthrus_repeat, args.baseline)
+    if args.paper or args.instructions:
+        report = (paper_scale(console, args.rounds, args.orthrus_repeat, args.baseline)
+                  if args.paper else instructions(console, args.rounds, args.replicas[0],
+                                                  args.baseline))
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
             console.print(f"wrote {args.out}")

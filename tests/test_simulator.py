@@ -6,6 +6,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from orthrus_sim.cli import app
@@ -363,3 +365,32 @@ def test_long_decode_runs_priced_in_segments_equal_stepping():
     assert fast.metrics["iterations"] == slow.metrics["iterations"]
     assert [r["finished_s"] for r in fast.requests] == [r["finished_s"] for r in slow.requests]
     assert fast.metrics["utilization"]["per_gpu"][0]["decode_runs"] > 0
+
+
+def test_replica_stats_copy_and_minus_cover_every_field():
+    """The monitor copies and subtracts the counters field by field (positional, for speed):
+    a field added to ``ReplicaStats`` and left out of ``copy`` or ``minus`` fails here."""
+    from dataclasses import fields
+
+    from orthrus_sim.sim.replica import ReplicaStats
+
+    names = [f.name for f in fields(ReplicaStats)]
+    later = ReplicaStats(*[10 * (i + 1) for i in range(len(names))])
+    earlier = ReplicaStats(*[i + 1 for i in range(len(names))])
+    copy = later.copy()
+    assert copy == later and copy is not later
+    diff = later.minus(earlier)
+    assert [getattr(diff, n) for n in names] == [9 * (i + 1) for i in range(len(names))]
+
+
+@settings(max_examples=300, deadline=None)
+@given(now=st.floats(0.0, 1e5), ahead=st.floats(0.0, 10.0))
+def test_delay_lands_the_clock_on_the_target_or_just_short_of_it(now, ahead):
+    """``_delay_to``: SimPy's clock (``now + delay``) lands exactly on the target when a delay
+    can, else on the last float short of it (the fast path returns only exact landings)."""
+    from orthrus_sim.sim.replica import _delay_to
+
+    target = now + ahead
+    delay = _delay_to(now, target)
+    assert now + delay <= target
+    assert now + delay == target or now + math.nextafter(delay, math.inf) > target

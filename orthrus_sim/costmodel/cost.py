@@ -36,10 +36,11 @@ class CostModel:
         self.coefficients = coefficients or Coefficients()
         self.lora = lora
         # seconds, FLOPs and bytes: of the operators that depend only on the token count (by
-        # that count), and of everything but the decodes' attention (by ``_base_key``)
+        # that count), and of everything but the decodes' attention (by all its counts but ``decode_kv``)
         self._token_cache: dict[int, tuple[float, float, float]] = {}
         self._base_cache: dict[tuple, tuple[float, float, float]] = {}
         self._attention_rates = decode_attention_rates(model)
+        self._attention_per_model = PER_LAYER["attn_decode"] * model.num_layers  # layers' repeats
 
     def adapter_merge_s(self) -> float:
         """Seconds to merge the embedding adapter into the weights it targets (or take it out
@@ -84,7 +85,10 @@ class CostModel:
     def _base(self, shape: BatchShape) -> tuple[float, float, float]:
         """Seconds, FLOPs and bytes of everything in one iteration but the decodes' attention
         (a shape's time and work are asked for together: one lookup, one pass on a miss)."""
-        key = _base_key(shape)
+        # every count of ``shape`` but ``decode_kv``: what the cost besides the decodes'
+        # attention depends on (built here, not in a function: ~50,000 lookups a run)
+        key = (shape.tokens, shape.num_seqs, shape.decodes, shape.chunk_tokens, shape.chunk_pairs,
+               shape.chunk_kv, shape.lora_rows, shape.sample_rows, shape.pooled_rows)
         cached = self._base_cache.get(key)
         if cached is not None:
             return cached
@@ -123,16 +127,17 @@ class CostModel:
         if shape.num_seqs == 0:
             return 0.0, 0.0
         _, base_flops, base_bytes = self._base(shape)
-        per_model = PER_LAYER["attn_decode"] * self.model.num_layers
-        attn = decode_attention_work_at(self._attention_rates, shape.decode_kv, shape.decodes)
-        flops = base_flops + attn[0] * per_model
-        bytes_ = base_bytes + attn[1] * per_model
+        per_model = self._attention_per_model
+        flops_per_kv, b, kv_row, q_row = self._attention_rates  # decode_attention_work_at
+        decode_kv = shape.decode_kv
+        flops = base_flops + flops_per_kv * decode_kv * per_model
+        bytes_ = base_bytes + b * (kv_row * decode_kv + q_row * shape.decodes) * per_model
         if steps == 1:
             return flops, bytes_
         # sum over k < steps of the attention work of k * decodes more context tokens
-        grown = decode_attention_work_at(self._attention_rates,
-                                         shape.decodes * (steps * (steps - 1) // 2), 0)
-        return flops * steps + grown[0] * per_model, bytes_ * steps + grown[1] * per_model
+        grown = shape.decodes * (steps * (steps - 1) // 2)
+        return (flops * steps + flops_per_kv * grown * per_model,
+                bytes_ * steps + b * (kv_row * grown) * per_model)
 
     def decode_step_times(self, shape: BatchShape, steps: int) -> list[float]:
         """Times of ``steps`` consecutive all-decode iterations starting from ``shape``: each
@@ -154,13 +159,6 @@ class CostModel:
 
 # shapes remembered per cost model: past it the cache starts afresh (memory stays bounded)
 BASE_CACHE_SIZE = 1 << 16
-
-
-def _base_key(shape: BatchShape) -> tuple:
-    """Every count of ``shape`` but ``decode_kv``: what the cost besides the decodes'
-    attention depends on."""
-    return (shape.tokens, shape.num_seqs, shape.decodes, shape.chunk_tokens, shape.chunk_pairs,
-            shape.chunk_kv, shape.lora_rows, shape.sample_rows, shape.pooled_rows)
 
 
 def _layer_sum(model: ModelSpec, work: dict[str, tuple[float, float]], index: int) -> float:

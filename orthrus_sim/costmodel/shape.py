@@ -58,8 +58,12 @@ class BatchShape:
     @classmethod
     def from_batch(cls, batch: BatchUnit, adapter: bool = True) -> BatchShape:
         shape = cls()
-        add_item = shape.add_item
         items = batch.items
+        if not items:  # the decode cohort alone: a decode run's first batch
+            if batch.cohort_decodes:
+                shape.add_decodes(batch.cohort_decodes, batch.cohort_kv)
+            return shape
+        add_item = shape.add_item
         first_decode = len(items)  # items are sorted by kind: decodes come last
         for i, it in enumerate(items):
             kind = it.kind

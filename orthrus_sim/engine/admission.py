@@ -147,11 +147,12 @@ class KVAdmission(Queues):
                 pass  # never queued here
         else:  # a request holding blocks is among the running, one holding none waits
             self._running_order.pop(rid, None)
-            for queue in (self._running, self._prefilling) if held else (self._waiting_gen,):
-                try:
-                    queue.remove(request)
-                except ValueError:
-                    pass  # not in this one
+            if held:
+                _discard(self._running, request)
+                if self._prefilling:  # most leave decoding: a raised ValueError costs ~1 us
+                    _discard(self._prefilling, request)
+            else:
+                _discard(self._waiting_gen, request)
 
     def _finish(self, request: Request, now: float) -> None:
         self._release(request)
@@ -173,3 +174,11 @@ class KVAdmission(Queues):
             if victim in self._prefilling:
                 self._prefilling.remove(victim)
             insert_in_order(self._waiting_gen, victim)
+
+
+def _discard(queue: list[Request], request: Request) -> None:
+    """Take ``request`` out of ``queue`` if it is there."""
+    try:
+        queue.remove(request)
+    except ValueError:
+        pass  # not in this one

@@ -127,6 +127,8 @@ class SchedulingSteps(KVAdmission):
     def schedule_running(self, batch: BatchUnit) -> int:
         """Decodes, then the admitted prompts' next chunks (vLLM's order for running work)."""
         used = self.schedule_decodes(batch)
+        if not self._prefilling:
+            return used
         for req in list(self._prefilling):
             if batch.budget_left <= 0:
                 break

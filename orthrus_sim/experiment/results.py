@@ -13,7 +13,6 @@ import csv
 import hashlib
 import io
 import json
-import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,6 +267,8 @@ def window_warnings(metrics: dict) -> list[str]:
 # ----- provenance ----------------------------------------------------------------------------
 def provenance(scenario_doc: dict) -> dict:
     """Project version, git commit (when run from a checkout) and a hash of the scenario."""
+    import subprocess  # here, not at the top: a simulation's start-up does not need it
+
     from orthrus_sim import __version__
 
     commit = None

@@ -37,7 +37,7 @@ class SimDriver:
         self.scenario = scenario
         self._submit = submit
         self.log = log
-        self.workload = Workload(scenario, lambda: env.now, keep_specs)
+        self.workload = Workload(scenario, lambda: env._now, keep_specs)
         self._pooling = scenario.embedding.pooling
         self.outstanding = 0
         self._running = 0  # client processes still alive
@@ -65,14 +65,14 @@ class SimDriver:
 
     # ----- the host of ``interpret``: SimPy events ------------------------------------------
     def now(self) -> float:
-        return self.env.now
+        return self.env._now  # SimPy's clock without its property (sim/replica.py)
 
     def issue(self, send: Send) -> simpy.Event | None:
         """Submit the request; the event its client waits on (None when it does not wait)."""
         spec = send.spec
         env = self.env
         # positional (token_ids None, then the pooling head): a keyword costs 20 % of the call
-        req = Request(spec.request_id, spec.kind, env.now, spec.tokens.length,
+        req = Request(spec.request_id, spec.kind, env._now, spec.tokens.length,
                       spec.max_output_tokens, None, self._pooling)
         req.payload = Event(env) if send.wait else None
         self.log.sent(req, spec.phase)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate
 
 import simpy
@@ -30,7 +30,7 @@ from orthrus_sim.engine.policy import Policy
 from orthrus_sim.engine.request import Request, RequestKind
 
 
-@dataclass
+@dataclass(slots=True)
 class ReplicaStats:
     """Cumulative counters of one replica (a window is the difference of two copies)."""
 
@@ -44,8 +44,20 @@ class ReplicaStats:
     gen_tokens: int = 0
     decode_runs: int = 0
 
+    def copy(self) -> ReplicaStats:
+        # positional, field by field: the monitor copies every replica's counters each interval
+        return ReplicaStats(self.iterations, self.busy_s, self.flops, self.bytes, self.tokens,
+                            self.budget_fill_sum, self.embed_tokens, self.gen_tokens,
+                            self.decode_runs)
+
     def minus(self, earlier: ReplicaStats) -> ReplicaStats:
-        return ReplicaStats(**{k: v - getattr(earlier, k) for k, v in vars(self).items()})
+        return ReplicaStats(self.iterations - earlier.iterations, self.busy_s - earlier.busy_s,
+                            self.flops - earlier.flops, self.bytes - earlier.bytes,
+                            self.tokens - earlier.tokens,
+                            self.budget_fill_sum - earlier.budget_fill_sum,
+                            self.embed_tokens - earlier.embed_tokens,
+                            self.gen_tokens - earlier.gen_tokens,
+                            self.decode_runs - earlier.decode_runs)
 
 
 # decode steps priced at once in a run of identical iterations: the first segment is short (an
@@ -57,6 +69,8 @@ def _delay_to(now: float, target: float) -> float:
     """The delay that lands SimPy's clock (``now + delay``) exactly on ``target``, so a run of
     iterations ends at the very float that stepping them one by one reaches."""
     delay = target - now
+    if now + delay == target:  # the usual case
+        return delay
     while now + delay < target:
         delay = math.nextafter(delay, math.inf)
     while now + delay > target:
@@ -65,6 +79,10 @@ def _delay_to(now: float, target: float) -> float:
 
 
 class Replica:
+    """One replica's SimPy process. Its hot path reads the clock as ``env._now`` (SimPy's
+    ``now`` is a property over it: a Python call per read, ~150,000 reads in a 10,000-request
+    run), as it already reaches into ``Process`` to move a wait (``_cut_run``)."""
+
     def __init__(self, env: simpy.Environment, index: int, role: str, policy: Policy, cost,
                  on_leave: Callable[[Request, Replica], None], fast_forward: bool = True,
                  factors=None) -> None:
@@ -148,19 +166,19 @@ class Replica:
         the event it waits on) without its two extra events (the interruption, and the timeout
         the interrupted process would then start): one event per arrival instead of three."""
         ends = self._run[2]
-        k = bisect_right(ends, self.env.now)  # the step in flight (one that ends now is done)
+        k = bisect_right(ends, self.env._now)  # the step in flight (one that ends now is done)
         if k == len(ends):
             return  # the segment's end is now: the wait ends with it
         self._cut_steps = k + 1
         process = self.process
         process._target.callbacks.remove(process._resume)
-        wake = Timeout(self.env, _delay_to(self.env.now, ends[k]))
+        wake = Timeout(self.env, _delay_to(self.env._now, ends[k]))
         wake.callbacks.append(process._resume)
         process._target = wake
 
     def _enter(self, request: Request) -> None:
         """Hand ``request`` to the policy now (it becomes ready now)."""
-        if not self.policy.add(request, self.env.now):
+        if not self.policy.add(request, self.env._now):
             self.outstanding_work -= self._work.pop(request.request_id, 0)
             self.on_leave(request, self)
 
@@ -180,7 +198,7 @@ class Replica:
         """The counters so far as stepping has them: of a decode run in flight, the iterations
         that ended before now count whole and the one in flight pro rata (its busy time, FLOPs
         and bytes), as a single iteration in flight does. What monitors and windows read."""
-        out = replace(self.stats)
+        out = self.stats.copy()
         if self._in_flight is None:
             return out
         start, end, shape, steps = self._in_flight
@@ -227,15 +245,15 @@ class Replica:
             self._stepping = False
             if self._inbox:
                 self._take_inbox()
-            now = env.now
+            now = env._now
             batch = policy.schedule(now)
-            if not batch:
+            if not (batch.items or batch.cohort_decodes):  # ``not batch``, without the call
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None
                 continue
             self._stepping = True
-            shape = BatchShape.from_batch(batch, adapter=self.adapter)
+            shape = BatchShape.from_batch(batch, self.adapter)
             steps = decode_run_length(policy, batch) if self.fast_forward and not self._merge_s \
                 else 0
             if steps > 1:
@@ -248,7 +266,7 @@ class Replica:
             self._in_flight = (now, now + seconds, shape, 1)
             yield Timeout(env, seconds)
             self._account(shape, 1, seconds, flops, bytes_)
-            self._leave(policy.complete(batch, env.now))
+            self._leave(policy.complete(batch, env._now))
 
     def _cohort_shape(self) -> BatchShape:
         """The shape of an iteration of the decode cohort alone."""
@@ -274,37 +292,43 @@ class Replica:
         self._arrived = False
         env, policy, step_times = self.env, self.policy, self.cost.decode_step_times
         while True:
-            start = t = env.now
+            start = t = env._now
             ends: list[float] = []
             self._run = (shape, start, ends)
             kv0 = shape.decode_kv
             segment = FIRST_RUN_SEGMENT
-            while len(ends) < steps:
-                n = min(segment, steps - len(ends))
-                segment = min(2 * segment, MAX_RUN_SEGMENT)
-                shape.decode_kv = kv0 + shape.decodes * len(ends)
+            priced = 0  # len(ends)
+            while priced < steps:
+                n = steps - priced
+                if n > segment:
+                    n = segment
+                if segment < MAX_RUN_SEGMENT:
+                    segment *= 2
+                shape.decode_kv = kv0 + shape.decodes * priced
                 times = accumulate(step_times(shape, n), initial=t)
                 next(times)  # t itself: the step ends follow, summed in order as stepping sums them
                 ends.extend(times)
+                priced += n
                 t = ends[-1]
                 shape.decode_kv = kv0
-                self._in_flight = (start, t, shape, len(ends))
+                self._in_flight = (start, t, shape, priced)
                 # the segment's end, or the end of the step in flight when work arrives first
                 # (``_admit`` moves the wait there: ``_cut_run``)
                 self._segment = True
-                yield Timeout(env, _delay_to(env.now, t))
+                yield Timeout(env, _delay_to(env._now, t))
                 self._segment = False
-                if env.now < t or self._arrived:
+                if env._now < t or self._arrived:
                     break  # work arrived: the iteration in flight ended, reschedule
             done, self._cut_steps = self._cut_steps, 0  # the steps up to the one in flight
             if not done:  # when work arrived; else the phase ran out
-                done = len(ends)
-                if env.now < ends[-1]:  # the clock could not land on the segment's end (rounding)
-                    done = bisect_right(ends, env.now) + 1
-                    if ends[done - 1] > env.now:
-                        yield Timeout(env, _delay_to(env.now, ends[done - 1]))
+                done = priced
+                if env._now < ends[-1]:  # the clock could not land on the segment's end (rounding)
+                    done = bisect_right(ends, env._now) + 1
+                    if ends[done - 1] > env._now:
+                        yield Timeout(env, _delay_to(env._now, ends[done - 1]))
             self._account_phase(done)
-            left = complete_decode_run(policy, env.now, start, ends[:done])
+            left = complete_decode_run(policy, env._now, start,
+                                       ends if done == priced else ends[:done])
             self._leave(left)
             if done < steps or not left or self._arrived:
                 return  # work arrived (or a leaving request sent more), or the KV cache is full

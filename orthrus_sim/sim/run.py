@@ -32,20 +32,26 @@ def _monitor(env: simpy.Environment, cluster: Cluster, interval: float, rows: li
     """Every ``interval``: waiting requests, and per GPU its busy fraction, MFU and MBU over the
     interval, KV use (all, and embeddings' share) and requests holding blocks."""
     hw = cluster.hardware
-    last = [rep.progress() for rep in cluster.replicas]
+    replicas = cluster.replicas
+    last = [rep.progress() for rep in replicas]
+    # each replica's column names, made once (a row is written every interval)
+    columns = [tuple(f"{name}_{i}" for name in ("busy", "mfu", "mbu", "kv_usage", "kv_embedding",
+                                                 "running")) for i in range(len(replicas))]
+    flops_s, bytes_s = hw.peak_flops * interval, hw.mem_bw * interval
     while True:
         yield env.timeout(interval)
-        snaps = [rep.snapshot() for rep in cluster.replicas]
+        snaps = [rep.snapshot() for rep in replicas]
         row = {"time_s": env.now, "queue_length": sum(s.waiting for s in snaps)}
-        for i, (rep, snap) in enumerate(zip(cluster.replicas, snaps)):
-            now = rep.progress()
+        for i, rep in enumerate(replicas):
+            snap, now = snaps[i], rep.progress()
             d = now.minus(last[i])
-            row[f"busy_{i}"] = min(1.0, d.busy_s / interval)
-            row[f"mfu_{i}"] = d.flops / (hw.peak_flops * interval)
-            row[f"mbu_{i}"] = d.bytes / (hw.mem_bw * interval)
-            row[f"kv_usage_{i}"] = snap.kv_usage
-            row[f"kv_embedding_{i}"] = snap.kv_blocks_embedding / snap.kv_blocks_total
-            row[f"running_{i}"] = snap.embeddings_running + snap.generations_running
+            busy, mfu, mbu, kv_usage, kv_embedding, running = columns[i]
+            row[busy] = min(1.0, d.busy_s / interval)
+            row[mfu] = d.flops / flops_s
+            row[mbu] = d.bytes / bytes_s
+            row[kv_usage] = snap.kv_usage
+            row[kv_embedding] = snap.kv_blocks_embedding / snap.kv_blocks_total
+            row[running] = snap.embeddings_running + snap.generations_running
             last[i] = now
         rows.append(row)
         if progress is not None and horizon:
