@@ -330,6 +330,43 @@ class Suggestion:
                 "kind": self.kind, "value": self.value, "removes": self.removes}
 
 
+@dataclass
+class SamplingBound:
+    """The widest range when most of it is the prediction's own sampling spread: no measurement
+    of the fit's configurations narrows that part (``suggest`` ranks only what they can); a
+    longer window narrows it, the spread of a count over a window going about as one over the
+    square root of its length."""
+
+    configuration: str
+    metric: str
+    width: float  # relative, the whole range
+    parameter_width: float  # relative, the parameters' part
+    sampling_sd: float
+    duration_s: float | None  # the measurement window (None: the run goes to its last request)
+
+    @property
+    def sampling_width(self) -> float:
+        """The width the sampling spread alone gives (both sides at ``Z`` sd)."""
+        return math.exp(Z * self.sampling_sd) - math.exp(-Z * self.sampling_sd)
+
+    def as_dict(self) -> dict:
+        return {"configuration": self.configuration, "metric": self.metric,
+                "relative_width": self.width, "parameter_width": self.parameter_width,
+                "sampling_sd": self.sampling_sd, "sampling_width": self.sampling_width,
+                "duration_s": self.duration_s}
+
+
+def sampling_bound(ranges: list[Range], duration_s: float | None) -> SamplingBound | None:
+    """``SamplingBound`` of the widest range (whole width) when its parameters' part is under
+    half of it, else None."""
+    widest = max((r for r in ranges if math.isfinite(r.width)), key=lambda r: r.width,
+                 default=None)
+    if widest is None or widest.width <= 0 or widest.parameter_width >= 0.5 * widest.width:
+        return None
+    return SamplingBound(widest.configuration, widest.metric, widest.width,
+                         widest.parameter_width, widest.noise, duration_s)
+
+
 def suggest(widest: Range, calibration: CalibrationFile, top: int = 3) -> list[Suggestion]:
     """The candidate measurements ranked by how much of ``widest`` each would remove, were it
     measured at the fit's simulated value: at every end, the new metric's log distance from

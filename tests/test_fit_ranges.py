@@ -189,3 +189,34 @@ def test_a_range_end_on_a_bound_stays_inside_it():
     assert at.embedding_scale == BY_NAME["embedding_scale"].high
     inside = factors_at(CostFactors(), ["overlap"], np.array([0.4]))
     assert inside.overlap == pytest.approx(0.4)
+
+
+def test_a_range_that_is_mostly_sampling_spread_is_named_with_what_narrows_it(tmp_path):
+    """When the widest range is mostly the prediction's own sampling spread, no measurement of
+    the fit's configurations narrows it: ``predict`` says so (table and JSON) instead of leaving
+    the user to measure something that cannot help; a range the parameters make is not named."""
+    from orthrus_sim.ranges import Range, sampling_bound
+
+    params = Range("orthrus", "throughput_rps.embedding", 10.0, 8.0, 12.0, None, None,
+                   [8.5, 11.5], 0.02)  # 40 % wide, 30 % of it the parameters'
+    noisy = Range("orthrus", "throughput_rps.generation", 4.0, 3.0, 5.2, None, None,
+                  [3.9, 4.1], 0.12)  # 55 % wide, the parameters' part 5 %
+    assert sampling_bound([params], 60.0) is None
+    bound = sampling_bound([params, noisy], 60.0)
+    assert bound.metric == "throughput_rps.generation" and bound.duration_s == 60.0
+    assert bound.parameter_width == pytest.approx(0.05) and bound.width == pytest.approx(0.55)
+    assert bound.as_dict()["sampling_width"] == pytest.approx(0.4838, abs=1e-3)  # e^0.24 - e^-0.24
+    # a calibration with no fitted ranges: its ranges are the sampling spread alone
+    cal_path = with_factors(tmp_path, embedding_scale=1.2)
+    raw = scenario_raw(cal_path)
+    (tmp_path / "sc.yaml").write_text(json.dumps(raw))
+    args = ["predict", str(tmp_path / "sc.yaml"), "--calibration", str(cal_path),
+            "--configurations", "dedicated-1:1", "--workers", "2"]
+    res = CliRunner().invoke(app, args + ["--format", "json"])
+    assert res.exit_code == 0, res.output
+    doc = report_of(res.output)["sampling_bound"]
+    assert doc["parameter_width"] == 0.0 and doc["sampling_sd"] > 0
+    assert doc["duration_s"] == raw["duration_s"] - raw.get("warmup_s", 0)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "mostly the prediction's own sampling spread" in " ".join(res.output.split())
