@@ -52,7 +52,7 @@ from orthrus_sim.experiment.measured import MeasuredRun, run_metrics
 from orthrus_sim.experiment.results import _get
 from orthrus_sim.experiment.scenario import apply_overrides, parse_scenario
 from orthrus_sim.fit import fit
-from orthrus_sim.ranges import predict, suggest
+from orthrus_sim.ranges import predict, sampling_bound, suggest
 from orthrus_sim.sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +184,9 @@ def one_seed(seed: int, workers: int, work: Path, spread: float,
            "recovered": recovered(result, truth), "misfit": bool(result.misses),
            "ranges": [r.as_dict() | {"truth": _get(real, r.metric)} for r in ranges],
            "inside": inside, "widest": widest.metric, "width": widest.width,
-           "parameter_width": widest.parameter_width, "sampling_sd": widest.noise}
+           "parameter_width": widest.parameter_width, "sampling_sd": widest.noise,
+           # mostly the prediction's own sampling spread: no measurement of the split halves it
+           "sampling_bound": sampling_bound([widest], None) is not None}
     band = error_band(sc, mid, runs, result, widest.metric, workers, spread, widest.noise)
     row["band"] = band
     tips = suggest(widest, result.calibration)
@@ -251,6 +253,9 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
     console.print(f"the suggested measurement narrowed the widest range by >= 50 %: {narrow_ok}/{n}"
                   + (f" (median {np.median(cut):.0%}; the truth still inside in "
                      f"{sum(bool(r.get('narrowed_inside')) for r in rows)}/{len(cut)})" if cut else ""))
+    bound = sum(bool(r.get("sampling_bound")) for r in rows)
+    console.print(f"the widest range mostly the prediction's own sampling spread (its parameters' "
+                  f"part under half its width; `predict` names it): {bound}/{n}")
     if cut_p:
         console.print(f"its parameters' part (no sampling spread) by >= 50 %: "
                       f"{sum(c >= 0.5 for c in cut_p)}/{len(cut_p)} (median {np.median(cut_p):.0%})")
