@@ -365,8 +365,7 @@ def predict(
         interrupted()
     if fmt == "json":
         console.print(json.dumps(_predictions_doc(ranges, nexts, _window_s(sc))), markup=False,
-                      highlight=False,
-                      soft_wrap=True)
+                      highlight=False, soft_wrap=True)
     else:
         _print_predictions(sc.name, str(calibration), cal, ranges, nexts, _window_s(sc))
 

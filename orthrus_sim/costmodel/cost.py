@@ -128,16 +128,15 @@ class CostModel:
             return 0.0, 0.0
         _, base_flops, base_bytes = self._base(shape)
         per_model = self._attention_per_model
-        flops_per_kv, b, kv_row, q_row = self._attention_rates  # decode_attention_work_at
-        decode_kv = shape.decode_kv
-        flops = base_flops + flops_per_kv * decode_kv * per_model
-        bytes_ = base_bytes + b * (kv_row * decode_kv + q_row * shape.decodes) * per_model
+        attn = decode_attention_work_at(self._attention_rates, shape.decode_kv, shape.decodes)
+        flops = base_flops + attn[0] * per_model
+        bytes_ = base_bytes + attn[1] * per_model
         if steps == 1:
             return flops, bytes_
         # sum over k < steps of the attention work of k * decodes more context tokens
-        grown = shape.decodes * (steps * (steps - 1) // 2)
-        return (flops * steps + flops_per_kv * grown * per_model,
-                bytes_ * steps + b * (kv_row * grown) * per_model)
+        grown = decode_attention_work_at(self._attention_rates,
+                                         shape.decodes * (steps * (steps - 1) // 2), 0)
+        return flops * steps + grown[0] * per_model, bytes_ * steps + grown[1] * per_model
 
     def decode_step_times(self, shape: BatchShape, steps: int) -> list[float]:
         """Times of ``steps`` consecutive all-decode iterations starting from ``shape``: each

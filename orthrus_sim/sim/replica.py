@@ -302,8 +302,7 @@ class Replica:
                 n = steps - priced
                 if n > segment:
                     n = segment
-                if segment < MAX_RUN_SEGMENT:
-                    segment *= 2
+                segment = 2 * segment if 2 * segment < MAX_RUN_SEGMENT else MAX_RUN_SEGMENT
                 shape.decode_kv = kv0 + shape.decodes * priced
                 times = accumulate(step_times(shape, n), initial=t)
                 next(times)  # t itself: the step ends follow, summed in order as stepping sums them
