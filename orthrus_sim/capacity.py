@@ -3,9 +3,10 @@ and the fewest GPUs that serve a given rate of each kind.
 
 Both search over simulator runs of the scenario with its open-loop pools scaled (the mix kept):
 a rate *meets the SLOs* when every kind the mix sends reaches the required attainment
-(``metrics.slo``, docs/results.md). The rate search brackets the answer by doubling or halving
-the scenario's own rate, then narrows the bracket until it is within ``tolerance``: the answer
-is a rate that passed with the next one tried (one step higher) failing. The GPU search starts
+(``metrics.slo``, docs/results.md). The rate search walks a geometric grid of rates (the
+scenario's own times ``2 ** (i / n)``, ``n`` the fewest steps per doubling that keep a step within
+``tolerance``): it doubles or halves until it brackets the answer, then narrows the bracket to
+one step: the answer is a grid rate that passed with the next one up failing. The GPU search starts
 from the estimate the rate search gives and steps by one GPU; a split configuration
 (``dedicated-N:M``, ``disagg-pd-P:D``) stands for its family, every split of a GPU count tried.
 Both assume attainment falls as the rate rises and grows with GPUs (a simulation's noise can
@@ -170,66 +171,89 @@ class Evaluator:
 
 
 # ----- the rate search ----------------------------------------------------------------------
+def grid_steps(tolerance: float) -> int:
+    """Steps of the rate grid per doubling: the fewest that keep one step within ``tolerance``."""
+    return math.ceil(math.log(2.0) / math.log1p(tolerance) - 1e-9)
+
+
 @dataclass
 class Bracket:
-    """A configuration's search: ``lo`` the highest factor that passed below ``hi``, the lowest
-    that failed (None: not found yet)."""
+    """A configuration's search on the rate grid: factor ``2 ** (i / steps)`` of the scenario's
+    rate at grid index ``i``. ``lo`` is the highest index that passed below ``hi``, the lowest
+    that failed (None: not found yet).
+
+    Every configuration is searched on the same grid, so two configurations that pass and fail
+    at the same rates get the same answer, however many workers split the bracket (an answer
+    placed by where a bisection happened to land would differ by up to a step between equals).
+    """
 
     configuration: str
-    tried: dict[float, bool] = field(default_factory=dict)
+    steps: int
+    tried: dict[int, bool] = field(default_factory=dict)
+
+    def factor(self, i: int) -> float:
+        return 2.0 ** (i / self.steps)
 
     @property
-    def hi(self) -> float | None:
-        failed = [f for f, ok in self.tried.items() if not ok]
+    def hi(self) -> int | None:
+        failed = [i for i, ok in self.tried.items() if not ok]
         return min(failed) if failed else None
 
     @property
-    def lo(self) -> float | None:
+    def lo(self) -> int | None:
         hi = self.hi
-        passed = [f for f, ok in self.tried.items() if ok and (hi is None or f < hi)]
+        passed = [i for i, ok in self.tried.items() if ok and (hi is None or i < hi)]
         return max(passed) if passed else None
 
-    def done(self, tolerance: float) -> bool:
+    def done(self) -> bool:
         lo, hi = self.lo, self.hi
+        edge = MAX_DOUBLINGS * self.steps
         if lo is not None and hi is not None:
-            return hi - lo <= tolerance * lo
+            return hi - lo <= 1
         if lo is None and hi is not None:
-            return hi <= 2.0 ** -MAX_DOUBLINGS
-        return lo is not None and lo >= 2.0 ** MAX_DOUBLINGS
+            return hi <= -edge
+        return lo is not None and lo >= edge
 
-    def next(self, k: int) -> list[float]:
-        lo, hi = self.lo, self.hi
+    def next(self, k: int) -> list[int]:
+        """Up to ``k`` grid indices to try next: doublings or halvings until the answer is
+        bracketed, then points spread evenly inside the bracket."""
+        lo, hi, m = self.lo, self.hi, self.steps
         if lo is None and hi is None:
-            return [2.0 ** j for j in range(k)]
+            return [j * m for j in range(k)]
         if hi is None:
-            return [lo * 2.0 ** (j + 1) for j in range(k)]
+            return [lo + (j + 1) * m for j in range(k)]
         if lo is None:
-            return [hi / 2.0 ** (j + 1) for j in range(k)]
-        return [lo + (hi - lo) * (j + 1) / (k + 1) for j in range(k)]
+            return [hi - (j + 1) * m for j in range(k)]
+        inside = {lo + round((hi - lo) * (j + 1) / (k + 1)) for j in range(k)}
+        return sorted(i for i in inside if lo < i < hi) or [lo + (hi - lo) // 2]
 
 
 def search_rates(ev: Evaluator, configurations: list[str], gpus: int, tolerance: float,
                  workers: int) -> list[dict]:
     """Per configuration on ``gpus`` GPUs: the highest rate (of the scenario's mix) that meets
     the SLOs, and the next one tried, which does not."""
-    brackets = [Bracket(cfg) for cfg in configurations]
+    steps = grid_steps(tolerance)
+    brackets = [Bracket(cfg, steps) for cfg in configurations]
     rounds = 0
-    while active := [b for b in brackets if not b.done(tolerance)]:
+    while active := [b for b in brackets if not b.done()]:
         rounds += 1
         k = max(1, workers // len(active))
-        keys = [(b.configuration, gpus, (f, f)) for b in active for f in b.next(k)]
+        wanted = {b.configuration: b.next(k) for b in active}
+        keys = [(b.configuration, gpus, (b.factor(i), b.factor(i)))
+                for b in active for i in wanted[b.configuration]]
         ev.evaluate(keys)
         for b in active:
-            for key in keys:
-                if key[0] == b.configuration:
-                    b.tried[key[2][0]] = ev.done[key]["passed"]
+            for i in wanted[b.configuration]:
+                f = b.factor(i)
+                b.tried[i] = ev.done[(b.configuration, gpus, (f, f))]["passed"]
         ev.console.print(f"rate search, round {rounds}: " + ", ".join(
             f"{b.configuration} {_bracket_text(b, ev.load.total)}" for b in active), highlight=False)
     out = []
     for b in brackets:
-        lo, hi = b.lo, b.hi
-        runs = sorted((ev.done[(b.configuration, gpus, (f, f))] for f in b.tried),
-                      key=lambda r: r["offered_rps"])
+        lo = None if b.lo is None else b.factor(b.lo)
+        hi = None if b.hi is None else b.factor(b.hi)
+        runs = sorted((ev.done[(b.configuration, gpus, (b.factor(i), b.factor(i)))]
+                       for i in b.tried), key=lambda r: r["offered_rps"])
         best = ev.done[(b.configuration, gpus, (lo, lo))] if lo is not None else None
         out.append({
             "configuration": b.configuration, "gpus": gpus,
@@ -245,7 +269,7 @@ def search_rates(ev: Evaluator, configurations: list[str], gpus: int, tolerance:
 
 def _bracket_text(b: Bracket, total: float) -> str:
     lo, hi = b.lo, b.hi
-    fmt = lambda f: "?" if f is None else f"{f * total:.3g}"  # noqa: E731
+    fmt = lambda i: "?" if i is None else f"{b.factor(i) * total:.3g}"  # noqa: E731
     return f"[{fmt(lo)}, {fmt(hi)}) req/s"
 
 
@@ -373,7 +397,8 @@ def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, toleranc
                           "families": search_gpus(ev, families, demand, max_gpus, start)}
     data = scenario_dump(scenario)
     doc = {**results_doc(data, []), "schema": SCHEMA, "required_attainment": required,
-           "tolerance": tolerance, "offered_rps_by_kind": load.rates,
+           "tolerance": tolerance, "rate_grid_steps": grid_steps(tolerance),
+           "offered_rps_by_kind": load.rates,
            "rate_search": rates, "gpu_search": gpu_result, "simulations": len(ev.done),
            "workers": workers, "wall_s": time.perf_counter() - wall}
     doc.pop("runs")

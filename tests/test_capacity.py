@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from orthrus_sim.capacity import family_members, open_loop_load, scaled_scenario
+from orthrus_sim.capacity import Bracket, family_members, grid_steps, open_loop_load, scaled_scenario
 from orthrus_sim.cli import app
 from orthrus_sim.experiment.scenario import parse_scenario
 from orthrus_sim.sim.run import simulate
@@ -149,3 +152,30 @@ def test_point_runner_keeps_one_pool_for_several_rounds():
     with point_runner(2) as run:
         assert numbers(run(points[:2])) == {k: expected[k] for k in ("p0", "p1")}
         assert numbers(run(points[2:])) == {"p2": expected["p2"]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(threshold=st.floats(2.0 ** -9, 2.0 ** 9), tolerance=st.sampled_from([0.02, 0.05, 0.1, 0.3]),
+       workers=st.integers(1, 6))
+def test_rate_grid_answer_does_not_depend_on_how_the_bracket_is_split(threshold, tolerance, workers):
+    """With attainment falling as the rate rises (pass below a threshold), the answer is the
+    highest grid rate at or under the threshold, the next grid rate fails and is at most
+    ``tolerance`` higher, whatever the number of points tried per round: two configurations
+    with the same capacity get the same answer."""
+    steps = grid_steps(tolerance)
+    b = Bracket("c", steps)
+    rounds = 0
+    while not b.done():
+        rounds += 1
+        wanted = b.next(workers)
+        assert wanted and not set(wanted) & set(b.tried)  # progress, nothing tried twice
+        for i in wanted:
+            b.tried[i] = b.factor(i) <= threshold
+    expect = math.floor(math.log2(threshold) * steps)
+    while b.factor(expect + 1) <= threshold:  # the floats' edges of the floor
+        expect += 1
+    while b.factor(expect) > threshold:
+        expect -= 1
+    assert b.lo == expect and b.hi == expect + 1
+    assert b.factor(b.lo) <= threshold < b.factor(b.hi) <= b.factor(b.lo) * (1 + tolerance) + 1e-12
+    assert rounds <= 40

@@ -46,8 +46,8 @@ CASES: dict[str, tuple[str, list[str], str]] = {
 PINNED = {
     "iter_retgen/orthrus": "e76b66126825ed7d35c9",
     "kv_pressure/orthrus": "49c2f583421d37b25b31",
-    "mix_sweep/adaptive-target": "0c6d742a366009cecc42",
-    "mix_sweep/adaptive-target-strict": "69654670e4ca19f900c0",
+    "mix_sweep/adaptive-target": "def0f66635c7eaae0601",
+    "mix_sweep/adaptive-target-strict": "4d27b9c4ae5edd66b1de",
     "mix_sweep/dedicated-1:3": "aea340ea9266dd97399e",
     "mix_sweep/disagg-pd-2:2": "d0b10f530d88aea76a26",
     "mix_sweep/mixed-pool-reserve": "2ac1e1654899592b0418",

@@ -94,6 +94,10 @@ class Prediction:
     feasible: bool  # TPOT within the target (or no generation to decode)
     decode_s: float = 0.0  # the decoding side's iteration before embeddings ride in it
     throughput: float = 0.0  # normalised throughput (the objective's, when that is throughput)
+    # the most used of the decode slots, the decode iteration against the target and the
+    # embedding capacity: an open load's plans that hold all serve the demand, this says which
+    # has room for its strays
+    peak_use: float = 0.0
     # goodput objective: the predicted mean latencies (s) the SLOs bound, and the kinds meeting
     latencies: dict[str, float] = field(default_factory=dict)
     meets: tuple[str, ...] = ()
@@ -109,6 +113,13 @@ class Prediction:
                                 for k, v in self.latencies.items()}
             out["meets"] = list(self.meets)
         return out
+
+
+def _use(demand: float, capacity: float) -> float:
+    """``demand`` over ``capacity`` (0 with no demand, unbounded with none to serve it)."""
+    if demand <= 0:
+        return 0.0
+    return demand / capacity if capacity > 0 else math.inf
 
 
 def decode_shape(decodes: int, decode_kv: int) -> BatchShape:
@@ -203,19 +214,20 @@ class PlacementPlanner:
         """The prediction with normalised throughput as its objective (and, with SLOs, its
         latencies and the kinds meeting them), and each kind's normalised throughput."""
         self._piece = max(1, round(d.embedding_len))
-        emb, gen, tpot, holds, alone = self._throughputs(a, d)
+        emb, gen, tpot, holds, alone, peak = self._throughputs(a, d)
         gen_ref = self._generation_reference(d)
         emb_len = max(d.embedding_len, 1.0)
         emb_ref = self._full_rate(emb_len) / emb_len
         normalised = {"embedding": emb / emb_ref, "generation": gen / gen_ref if gen_ref > 0 else 0.0}
         throughput = normalised["embedding"] + normalised["generation"]
         if self.slo is None:
-            return Prediction(a, emb, gen, tpot, throughput, holds, alone, throughput), normalised
+            return (Prediction(a, emb, gen, tpot, throughput, holds, alone, throughput, peak),
+                    normalised)
         latencies = self.latencies(a, d, emb, gen, tpot)
         meets = tuple(kind for kind, bounds in self.slo.items()
                       if all(latencies[name] <= bound for name, bound in bounds.items()))
-        return (Prediction(a, emb, gen, tpot, throughput, holds, alone, throughput, latencies,
-                           meets), normalised)
+        return (Prediction(a, emb, gen, tpot, throughput, holds, alone, throughput, peak,
+                           latencies, meets), normalised)
 
     def _for_demand(self, d: Demand) -> tuple[dict[Assignment, tuple[Prediction, dict]], set[str]]:
         """Every assignment's raw prediction under ``d``, and the kinds whose SLOs some
@@ -254,9 +266,11 @@ class PlacementPlanner:
         return out | {"ttft_s": ttft, "tpot_s": tpot,
                       "e2e_s": ttft + max(d.output_len - 1, 0.0) * tpot}
 
-    def _throughputs(self, a: Assignment, d: Demand) -> tuple[float, float, float, bool, float]:
+    def _throughputs(self, a: Assignment, d: Demand
+                     ) -> tuple[float, float, float, bool, float, float]:
         """(embeddings/s, generations/s, TPOT s, the decoding side holds the target, its
-        iteration before riders) of assignment ``a`` under demand ``d``."""
+        iteration before riders, the peak use: ``Prediction.peak_use``) of assignment ``a``
+        under demand ``d``."""
         k = a.decoding
         wants_gen = d.asks_generation
         emb_len = max(d.embedding_len, 1.0)
@@ -265,12 +279,14 @@ class PlacementPlanner:
         if k == 0 or not wants_gen:
             if a.riders:  # riders with no decodes: the decoding side embeds too
                 side += k * full / emb_len
-            return min(emb_demand, side), 0.0, 0.0, not wants_gen, 0.0
+            return (min(emb_demand, side), 0.0, 0.0, not wants_gen, 0.0,
+                    _use(emb_demand, side))
         out = max(d.output_len, 1.0)
         mid = int(d.prompt_len + out / 2)
         limit = self.target_s
         t, gen, riding, holds, alone = self._time(1, mid, 0), 0.0, 0.0, True, 0.0
         slots = min(self.max_seqs, max(1, self.kv_tokens // mid))  # held on average: mid-output
+        uncapped, cap = t, 0.0
         for _ in range(FIXED_POINT_ROUNDS):
             want = d.generations / k if d.closed_loop else d.generation_rps / k * out * t
             running = min(want, slots)
@@ -281,9 +297,9 @@ class PlacementPlanner:
             decodes = max(1, round(running))  # in the iteration priced
             kv = decodes * mid
             # the mean iteration: the decodes and the prompt tokens arriving per iteration
-            t = self._time(decodes, kv, int(prompt_rate * t))
+            t = uncapped = self._time(decodes, kv, int(prompt_rate * t))
             alone = min(t, limit)
-            riding = 0.0
+            riding, cap = 0.0, 0.0
             if not a.riders:  # as a split's generation servers: the mean iteration within it
                 holds = t <= limit * (1 + 1e-6)
                 t = min(t, limit)  # the target cuts the prompts that would exceed it
@@ -301,8 +317,9 @@ class PlacementPlanner:
                     riding = share * cap
                     t += share * (limit - t)
         # generations beyond the side's decode slots or KV cache would queue: it does not hold
+        peak = max(want / slots, uncapped / limit, _use(emb_demand, side + cap))
         return (min(emb_demand, side + riding), gen, t, holds and want <= slots * (1 + 1e-6),
-                alone)
+                alone, peak)
 
     def _generation_reference(self, d: Demand) -> float:
         """Generations/s per replica of the split giving generations all replicas but one."""
@@ -348,12 +365,13 @@ class PlacementPlanner:
     def plan(self, d: Demand, current: Assignment | None = None) -> Prediction:
         """The best assignment for ``d``: the highest objective among those holding the target
         (when none does, the one serving the most generations), near-ties going to the lower
-        TPOT, then to fewer decoding replicas (more, when no embedding is asked for); with the
-        goodput objective, near-ties in goodput go first to the most normalised throughput. The
-        current assignment stays unless the best predicts an objective more than
-        ``HYSTERESIS`` above it (or as high, with a TPOT or a normalised throughput that much
-        better), or it no longer holds the target; an assignment it moves to must hold the
-        target with ``HYSTERESIS`` to spare."""
+        peak use on an open load (``Prediction.peak_use``), then to the lower TPOT, then to fewer
+        decoding replicas (more, when no embedding is asked for); with the goodput objective,
+        near-ties in goodput go first to the most normalised throughput. The current assignment
+        stays unless the best predicts an objective more than ``HYSTERESIS`` above it (or as
+        high, with a peak use on an open load, a TPOT on a closed one, or a normalised
+        throughput that much better), or it no longer holds the target; an assignment it moves
+        to must hold the target with ``HYSTERESIS`` to spare."""
         preds = [self.predict(a, d) for a in self.candidates()]
         # a move needs margin under the target as well as a better objective: a demand at the
         # boundary where an assignment stops holding the target does not flip it in and out
@@ -368,8 +386,10 @@ class PlacementPlanner:
             if self.slo is not None:  # goodput alike: the most throughput among them
                 most = max(p.throughput for p in near)
                 near = [p for p in near if p.throughput >= most * (1 - 1e-6)]
-            best = min(near, key=lambda p: (p.tpot_s, idle * p.assignment.decoding,
-                                            p.assignment.riders))
+            # an open load's plans that hold serve the same demand: the one with the most room
+            # for its strays first (a closed loop's lower TPOT is more throughput)
+            best = min(near, key=lambda p: (0.0 if d.closed_loop else p.peak_use, p.tpot_s,
+                                            idle * p.assignment.decoding, p.assignment.riders))
         else:  # none holds: the one that serves the most generations (most decode slots)
             best = max((p for p in preds if p.assignment.decoding),
                        key=lambda p: (p.generation_rps, -p.tpot_s, p.objective))
@@ -377,9 +397,12 @@ class PlacementPlanner:
             now = self.predict(current, d)
             # (as high, with that much more throughput: the goodput objective's tie-break; under
             # the throughput objective the first test already covers it)
+            # (open loop: as high, with that much less peak use, in place of the lower TPOT)
+            lower = ((best.peak_use, now.peak_use) if not d.closed_loop
+                     else (best.tpot_s, now.tpot_s))
             better = best.objective > now.objective * (1 + self.HYSTERESIS) or (
                 best.objective >= now.objective * (1 - 1e-6)
-                and (best.tpot_s < now.tpot_s * (1 - self.HYSTERESIS)
+                and (lower[0] < lower[1] * (1 - self.HYSTERESIS)
                      or best.throughput > now.throughput * (1 + self.HYSTERESIS)))
             if now.feasible and not better:
                 return now

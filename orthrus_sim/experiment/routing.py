@@ -30,8 +30,9 @@ the split placements (Dedicated N:M, Disagg-PD), whatever the rule.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from orthrus_sim.engine.request import Request, RequestKind
@@ -273,6 +274,7 @@ class AdaptivePlacement(_Booked):
     REPLAN_S = 1.0
     WINDOW_S = 10.0
     DWELL_S = 3.0
+    NOISE_SD = 3.0  # a plan failing only above this many sds of the window's count stays
 
     def __init__(self, replicas: list[Any], target_s: float | None, pack: float = 1.0,
                  closed_loop: bool = False, slo: dict[str, dict[str, float]] | None = None) -> None:
@@ -300,6 +302,7 @@ class AdaptivePlacement(_Booked):
         self._embeddings = 0
         self._embedding_turn = 0  # ties among the embedding side go round from here
         self._since: float | None = None  # the first arrival observed
+        self._span = self.WINDOW_S  # the time the last demand's rates were counted over
 
     # ----- the two sides --------------------------------------------------------------------
     def decoding(self) -> list[Any]:
@@ -314,6 +317,7 @@ class AdaptivePlacement(_Booked):
         # denominator a second into a run reads a tenth of the rate, and plans for it
         span = self.WINDOW_S if self._since is None else min(
             self.WINDOW_S, max(now - self._since, self.REPLAN_S))
+        self._span = span
         for kind, times in self._arrivals.items():
             while times and times[0] < now - self.WINDOW_S:
                 times.popleft()
@@ -331,6 +335,30 @@ class AdaptivePlacement(_Booked):
                       embedding_rps=rates[True], prompt_len=mean("prompt"),
                       output_len=mean("output"), embedding_len=mean("embedding"),
                       closed_loop=self.closed_loop)
+
+    def _low(self, d: Demand) -> Demand:
+        """``d`` at the low end of the generation rates the window's count of arrivals allows
+        (``NOISE_SD`` Poisson sds below it): a 10 s count of a steady stream strays by 1-2 sds
+        often, and a plan dropped for that drains a replica for a generation's lifetime, which
+        an embedding side near its capacity does not survive."""
+        n = d.generation_rps * self._span
+        return replace(d, generation_rps=max(0.0, n - self.NOISE_SD * math.sqrt(n)) / self._span)
+
+    def _holds(self, a: Assignment, d: Demand) -> bool:
+        """Whether ``a`` holds the target at the low end of ``d`` (``_low``)."""
+        return self.planner.predict(a, self._low(d)).feasible
+
+    def _kept(self, current: Assignment, d: Demand) -> Prediction | None:
+        """The plan to keep under ``d`` without a role change: the current one if it holds
+        the target, at ``d`` or at its low end, else the current split with riders toggled if
+        that does (None: a role change is due)."""
+        for a in (current, Assignment(current.decoding, not current.riders)):
+            if a.riders and not a.decoding:
+                continue
+            p = self.planner.predict(a, d)
+            if p.feasible or self._holds(a, d):
+                return p
+        return None
 
     def _observe(self, request: Request) -> None:
         now = request.arrival_time
@@ -352,15 +380,30 @@ class AdaptivePlacement(_Booked):
         plan = self.planner.plan(demand, current)
         if current is None or plan.assignment == current:
             self._pending_since = None  # nothing better
-        elif (kept := self.planner.predict(current, demand)).feasible:
-            # a move by choice (the current plan still holds): only once another plan has been
-            # better for DWELL_S, so a demand wavering at a boundary moves nothing
-            if self._pending_since is None:
-                self._pending_since = now
-            if now - self._pending_since < self.DWELL_S:
+        elif (kept := self._kept(current, demand)) is not None:
+            # the current plan still holds; or it fails at the window's count of generations
+            # but it, or it with riders toggled (no role changes), holds at the low end of what
+            # that count allows: no evidence the demand moved (a side short of room grows in
+            # _choose). Then it stays unless another plan predicts more by the planner's
+            # hysteresis at both ends of that range
+            more = 1 + self.planner.HYSTERESIS
+            low = self._low(demand)
+            by_choice = (kept.assignment == current and kept.feasible) or (  # (plan: hysteresis)
+                plan.objective > kept.objective * more
+                and (kept.feasible or self.planner.predict(plan.assignment, low).objective
+                     > self.planner.predict(kept.assignment, low).objective * more))
+            if not by_choice:
                 plan = kept
-            else:
                 self._pending_since = None
+            else:
+                # a move by choice: only once another plan has been better for DWELL_S, so a
+                # demand wavering at a boundary moves nothing
+                if self._pending_since is None:
+                    self._pending_since = now
+                if now - self._pending_since < self.DWELL_S:
+                    plan = kept
+                else:
+                    self._pending_since = None
         self.plan = plan
         self.demand_log.append({"time_s": now, "generations": demand.generations,
                                 "embeddings": demand.embeddings,
@@ -422,17 +465,29 @@ class AdaptivePlacement(_Booked):
             side = [r for r in self.active if r in candidates] or candidates
             roomy = [r for r in side if self._has_room(r, self.load[r.index], request)]
             if not roomy and len(self.active) < len(self.replicas):
-                grown = Assignment(len(self.active) + 1, self.plan.assignment.riders)
                 demand = self.demand(now, request)
                 kept = self.planner.predict(self.plan.assignment, demand)
-                bigger = self.planner.predict(grown, demand)
+                # one more decoding replica, embeddings riding or not as predicts better (the
+                # last embedding replica taken, they ride or wait for the next plan)
+                bigger = max((self.planner.predict(Assignment(len(self.active) + 1, riders),
+                                                   demand) for riders in (False, True)),
+                             key=lambda p: p.objective)
+                grown = bigger.assignment
                 least = min(side, key=lambda r: (self._overbooked(r, request), r.index))
-                if (kept.feasible and self._overbooked(least, request) <= BURST_SLACK
-                        and bigger.objective < kept.objective):
+                # where the plan holds only at the low end of the window's count, both are
+                # weighed there (at the count it cannot serve what it is asked)
+                at = demand if kept.feasible else self._low(demand)
+                embeds = demand.embeddings > 0 or demand.embedding_rps > 0
+                if (embeds and self._overbooked(least, request) <= self._burst_slack(side, demand)
+                        and (kept.feasible or self._holds(self.plan.assignment, demand))
+                        and self.planner.predict(grown, at).objective
+                        <= self.planner.predict(self.plan.assignment, at).objective
+                        * (1 + self.planner.HYSTERESIS)):
                     # a burst just past the side's slots or KV (each generation booked at its
-                    # final length), while the plan still holds and growing would cost the
-                    # embedding side more than the burst gains (a lower objective): the
-                    # generation waits in the decoding replica with the most room instead
+                    # final length), while the plan still holds and growing would gain no more
+                    # than a move by choice needs (the planner's hysteresis), and later drain a
+                    # replica back: the generation waits in the decoding replica with the most
+                    # room instead
                     return least
                 self.plan = bigger
                 self.decisions.append({"time_s": now, **self.plan.as_dict(len(self.replicas)),
@@ -447,6 +502,17 @@ class AdaptivePlacement(_Booked):
         super()._placed_here(request, replica, sign)
         if request.is_embedding:
             self._embeddings += sign
+
+    def _burst_slack(self, side: list[Any], d: Demand) -> float:
+        """How far past a replica's slots or KV a burst may go before the side grows: the
+        stray of a steady stream's count in flight (``NOISE_SD`` Poisson sds of the side's
+        capacity in generations of the demand's mean lengths), at most ``BURST_SLACK`` (past
+        it, a slot's wait is a tenth of a generation's lifetime)."""
+        final = max(1, round(d.prompt_len + d.output_len))
+        capacity = sum(min(r.policy.config.max_num_seqs,
+                           r.policy.config.num_blocks * r.policy.config.block_size // final)
+                       for r in side)
+        return min(BURST_SLACK, self.NOISE_SD / math.sqrt(max(capacity, 1)))
 
     def _overbooked(self, replica: Any, request: Request) -> float:
         """How far past its decode slots or KV cache a replica would be with ``request``
@@ -485,7 +551,7 @@ class AdaptivePlacement(_Booked):
         return self._rate(replica, load.generations, load.decode_kv, self.target_s)
 
 
-BURST_SLACK = 0.05  # a generation waits rather than grow the decoding side this far past it
+BURST_SLACK = 0.10  # a generation never waits rather than grow the decoding side further past it
 
 
 def _add(acc: list[int], value: int) -> None:
