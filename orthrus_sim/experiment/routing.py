@@ -265,7 +265,11 @@ class AdaptivePlacement(_Booked):
     Stability: the plan changes when the current one no longer holds the target (at once),
     or when another assignment predicts more than ``PlacementPlanner.HYSTERESIS`` above it at
     the same demand and has done so at every plan for ``DWELL_S``; a demand wavering at a
-    boundary between two assignments moves nothing, or at most once per ``DWELL_S``.
+    boundary between two assignments moves nothing, or at most once per ``DWELL_S``. On an
+    open load a plan fails only on evidence: it, or its split with riders toggled, holding at
+    the window's count of generations less ``NOISE_SD`` Poisson sds is kept (``_kept``), and a
+    burst past the decoding side waits within the stray of its count in flight
+    (``_burst_slack``) rather than grow it (docs/scheduler.md, "Role changes and stability").
     Decisions are kept in ``decisions`` (plans that changed the assignment), ``role_changes``
     (per replica) and ``demand_log`` (the demand and assignment at every plan) for the
     results.
