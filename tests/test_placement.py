@@ -285,5 +285,5 @@ def test_an_open_loads_plan_takes_the_most_room_among_plans_serving_it(replicas,
     tied = [p for p in preds if p.feasible and p.objective >= plan.objective * (1 - 1e-6)]
     assert plan.feasible and plan in tied
     assert plan.peak_use == min(p.peak_use for p in tied)
-    for p in preds:  # the use it reports: each part of it at most the whole
-        assert p.peak_use >= 0
+    for p in preds:  # each part of the use at most the whole: the decode iteration's, here
+        assert p.peak_use >= p.decode_s / target - 1e-9

@@ -268,6 +268,14 @@ def test_a_plan_failing_only_at_the_windows_count_is_kept():
     probe._span = 10.0
     assert not holds(edge * 1.02) and probe._holds(a, replace(d, generation_rps=edge * 1.02))
     assert not probe._holds(a, replace(d, generation_rps=edge * 1.5))
+    # the router's replan at such counts: 1.02x keeps the plan, 1.5x moves it at once
+    for factor, stays in ((1.02, True), (1.5, False)):
+        router = stream(1.0)
+        router.plan = router.planner.predict(a, d)
+        router.demand = lambda now, arriving=None, f=factor: replace(d, generation_rps=edge * f)
+        router._span = 10.0
+        router._replan(10.5)
+        assert (router.plan.assignment == a) == stays, (factor, router.plan.assignment)
 
 
 def test_a_copied_split_at_its_capacity_edge_serves_what_the_split_serves():
@@ -275,8 +283,10 @@ def test_a_copied_split_at_its_capacity_edge_serves_what_the_split_serves():
     (each embedding replica ~98 % busy): the planner copies the split and keeps it through the
     generations' Poisson strays (a 10 s count 1-2 sds high, a burst just past the decode
     slots), so the embeddings meet their SLO as the split's do. Dropping the copy for such a
-    stray drained an embedding replica for 15 s and left 37 % of embeddings within 0.5 s."""
-    over = ["workload.generation_share=0.1", "workload.arrival.rate=238.11",
+    stray drained an embedding replica for 15 s and left 37 % of embeddings within 0.5 s.
+    Seed 1, the scenario's: at this edge some other seeds' first plans still fail
+    (docs/capacity.md), so another seed tests the start-up, not these rules."""
+    over = ["seed=1", "workload.generation_share=0.1", "workload.arrival.rate=238.11",
             "scheduler.tpot_target_s=0.045", "cluster.router=adaptive"]
     m = simulate(load_scenario("scenarios/capacity_mix.yaml", over), "orthrus",
                  keep_rows=False).metrics
@@ -304,4 +314,30 @@ def test_a_side_grown_over_the_last_embedding_replica_lets_embeddings_ride():
         router.route(gen(i, 10.0 + i / 1000))
     assert router.decisions[-1]["why"] == "no decoding replica had room"
     assert router.plan.assignment == Assignment(2, True)
-    assert router.route(emb(5000, 10.05)) in reps
+    assert router.route(emb(5000, 10.05)) in router.active
+
+
+def test_a_closed_loops_burst_keeps_the_fixed_slack():
+    """The open-load noise rules leave a closed loop alone (its clients bound the count in
+    flight; its demand is that count, not a rate): there a burst waits only within
+    ``CLOSED_LOOP_BURST_SLACK`` (5 %) past a replica's KV, so the 21st generation (4 % past)
+    waits and the 22nd (9 %) grows the side, where an open load lets it wait."""
+    from orthrus_sim.experiment.routing import CLOSED_LOOP_BURST_SLACK
+
+    assert CLOSED_LOOP_BURST_SLACK == 0.05
+    small = SchedulerConfig(token_budget=2048, chunk_size=512, tpot_target_s=TARGET,
+                            num_blocks=808)  # twenty 640-token generations each
+    grown = {}
+    for closed in (True, False):
+        reps = [FakeReplica(i, policy=FakePolicy(small)) for i in range(4)]
+        router = make_router("adaptive", reps, TARGET, closed_loop=closed)
+        for i in range(2000):
+            router.route(emb(i, i / 200))
+        for i in range(20):
+            router.route(gen(i, 10.0 + i / 1000))
+        side = list(router.active)
+        assert len(side) == 1
+        assert router.route(gen(20, 10.03)) in side and router.active == side  # 4 % past
+        router.route(gen(21, 10.031))  # 9 % past
+        grown[closed] = len(router.active) > 1
+    assert grown == {True: True, False: False}

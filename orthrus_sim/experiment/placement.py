@@ -70,6 +70,10 @@ class Demand:
     def asks_generation(self) -> bool:
         return self.generations > 0 or self.generation_rps > 0
 
+    @property
+    def asks_embedding(self) -> bool:
+        return self.embeddings > 0 or self.embedding_rps > 0
+
 
 @dataclass(frozen=True)
 class Assignment:
@@ -105,6 +109,8 @@ class Prediction:
     def as_dict(self, replicas: int) -> dict:
         out = asdict(self)
         out["assignment"] = self.assignment.label(replicas)
+        if not math.isfinite(self.peak_use):  # JSON has no infinity
+            out["peak_use"] = None
         if not self.latencies:  # the throughput objective: the objective says it all
             for key in ("throughput", "latencies", "meets"):
                 del out[key]
@@ -382,7 +388,7 @@ class PlacementPlanner:
             top = max(p.objective for p in feasible)
             near = [p for p in feasible if p.objective >= top * (1 - 1e-6)]
             # with no embedding asked for, an embedding side only idles: spread the decodes
-            idle = -1 if d.embeddings == 0 and d.embedding_rps == 0 else 1
+            idle = 1 if d.asks_embedding else -1
             if self.slo is not None:  # goodput alike: the most throughput among them
                 most = max(p.throughput for p in near)
                 near = [p for p in near if p.throughput >= most * (1 - 1e-6)]

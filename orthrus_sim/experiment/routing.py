@@ -278,7 +278,7 @@ class AdaptivePlacement(_Booked):
     REPLAN_S = 1.0
     WINDOW_S = 10.0
     DWELL_S = 3.0
-    NOISE_SD = 3.0  # a plan failing only above this many sds of the window's count stays
+    NOISE_SD = 3.0  # an open load's plan holding at its count less this many Poisson sds stays
 
     def __init__(self, replicas: list[Any], target_s: float | None, pack: float = 1.0,
                  closed_loop: bool = False, slo: dict[str, dict[str, float]] | None = None) -> None:
@@ -353,16 +353,19 @@ class AdaptivePlacement(_Booked):
         return self.planner.predict(a, self._low(d)).feasible
 
     def _kept(self, current: Assignment, d: Demand) -> Prediction | None:
-        """The plan to keep under ``d`` without a role change: the current one if it holds
-        the target, at ``d`` or at its low end, else the current split with riders toggled if
-        that does (None: a role change is due)."""
-        for a in (current, Assignment(current.decoding, not current.riders)):
-            if a.riders and not a.decoding:
-                continue
-            p = self.planner.predict(a, d)
-            if p.feasible or self._holds(a, d):
-                return p
-        return None
+        """The plan to keep under ``d`` without a role change (None: a role change is due): the
+        current one if it holds the target; on an open load also if it holds at the low end of
+        ``d``, or else the current split with riders toggled if that holds (at ``d`` or its low
+        end) with the margin a planned move needs."""
+        p = self.planner.predict(current, d)
+        if p.feasible or not self.closed_loop and self._holds(current, d):
+            return p
+        toggled = Assignment(current.decoding, not current.riders)
+        if self.closed_loop or not toggled.decoding:
+            return None
+        p = self.planner.predict(toggled, d)
+        margin = p.decode_s <= self.planner.target_s * (1 - self.planner.HYSTERESIS)
+        return p if margin and (p.feasible or self._holds(toggled, d)) else None
 
     def _observe(self, request: Request) -> None:
         now = request.arrival_time
@@ -391,11 +394,13 @@ class AdaptivePlacement(_Booked):
             # _choose). Then it stays unless another plan predicts more by the planner's
             # hysteresis at both ends of that range
             more = 1 + self.planner.HYSTERESIS
-            low = self._low(demand)
-            by_choice = (kept.assignment == current and kept.feasible) or (  # (plan: hysteresis)
-                plan.objective > kept.objective * more
-                and (kept.feasible or self.planner.predict(plan.assignment, low).objective
-                     > self.planner.predict(kept.assignment, low).objective * more))
+            # the planner's pick already beat a current plan that holds by its hysteresis
+            current_holds = kept.assignment == current and kept.feasible
+            better_at_count = plan.objective > kept.objective * more
+            better_at_low = kept.feasible or (
+                self.planner.predict(plan.assignment, self._low(demand)).objective
+                > self.planner.predict(kept.assignment, self._low(demand)).objective * more)
+            by_choice = current_holds or (better_at_count and better_at_low)
             if not by_choice:
                 plan = kept
                 self._pending_since = None
@@ -471,27 +476,14 @@ class AdaptivePlacement(_Booked):
             if not roomy and len(self.active) < len(self.replicas):
                 demand = self.demand(now, request)
                 kept = self.planner.predict(self.plan.assignment, demand)
-                # one more decoding replica, embeddings riding or not as predicts better (the
-                # last embedding replica taken, they ride or wait for the next plan)
+                # one more decoding replica, embeddings riding or not as predicts better (over
+                # the last embedding replica, riding keeps the embeddings a replica to go to)
                 bigger = max((self.planner.predict(Assignment(len(self.active) + 1, riders),
                                                    demand) for riders in (False, True)),
                              key=lambda p: p.objective)
                 grown = bigger.assignment
                 least = min(side, key=lambda r: (self._overbooked(r, request), r.index))
-                # where the plan holds only at the low end of the window's count, both are
-                # weighed there (at the count it cannot serve what it is asked)
-                at = demand if kept.feasible else self._low(demand)
-                embeds = demand.embeddings > 0 or demand.embedding_rps > 0
-                if (embeds and self._overbooked(least, request) <= self._burst_slack(side, demand)
-                        and (kept.feasible or self._holds(self.plan.assignment, demand))
-                        and self.planner.predict(grown, at).objective
-                        <= self.planner.predict(self.plan.assignment, at).objective
-                        * (1 + self.planner.HYSTERESIS)):
-                    # a burst just past the side's slots or KV (each generation booked at its
-                    # final length), while the plan still holds and growing would gain no more
-                    # than a move by choice needs (the planner's hysteresis), and later drain a
-                    # replica back: the generation waits in the decoding replica with the most
-                    # room instead
+                if self._burst_waits(least, side, request, demand, kept, grown):
                     return least
                 self.plan = bigger
                 self.decisions.append({"time_s": now, **self.plan.as_dict(len(self.replicas)),
@@ -506,6 +498,32 @@ class AdaptivePlacement(_Booked):
         super()._placed_here(request, replica, sign)
         if request.is_embedding:
             self._embeddings += sign
+
+    def _burst_waits(self, replica: Any, side: list[Any], request: Request, d: Demand,
+                     kept: Prediction, grown: Assignment) -> bool:
+        """Whether a generation no decoding replica has room for waits in ``replica`` instead
+        of growing the side to ``grown`` (a burst is not a new demand, and a grown side drains
+        back for a generation's lifetime). Closed loop: ``replica`` at most
+        ``CLOSED_LOOP_BURST_SLACK`` past its slots or KV, the plan holding, the grown side
+        predicting a lower objective. Open load: at most ``_burst_slack`` past, embeddings
+        asked for, the plan holding at the window's count or its low end, and the grown side
+        predicting no more than the planner's hysteresis above it (weighed at the low end when
+        the plan holds only there: at the count it cannot serve what it is asked)."""
+        over = self._overbooked(replica, request)
+        if self.closed_loop:
+            return (kept.feasible and over <= CLOSED_LOOP_BURST_SLACK
+                    and self.planner.predict(grown, d).objective < kept.objective)
+        if not d.asks_embedding or over > self._burst_slack(side, d):
+            return False
+        if kept.feasible:
+            at = d
+        elif self._holds(self.plan.assignment, d):
+            at = self._low(d)
+        else:
+            return False
+        return (self.planner.predict(grown, at).objective
+                < self.planner.predict(self.plan.assignment, at).objective
+                * (1 + self.planner.HYSTERESIS))
 
     def _burst_slack(self, side: list[Any], d: Demand) -> float:
         """How far past a replica's slots or KV a burst may go before the side grows: the
@@ -555,7 +573,8 @@ class AdaptivePlacement(_Booked):
         return self._rate(replica, load.generations, load.decode_kv, self.target_s)
 
 
-BURST_SLACK = 0.10  # a generation never waits rather than grow the decoding side further past it
+BURST_SLACK = 0.10  # an open load's generation never waits further past the decoding side
+CLOSED_LOOP_BURST_SLACK = 0.05  # a closed loop's burst (its clients bound the count in flight)
 
 
 def _add(acc: list[int], value: int) -> None:
