@@ -130,6 +130,11 @@ class SchedulerConfig:
             )
 
     @property
+    def kv_tokens(self) -> int:
+        """Tokens the paged KV cache holds."""
+        return self.num_blocks * self.block_size
+
+    @property
     def counted_work(self) -> str:
         """The ``waiting_work`` mode in force: the one chosen, or the target's default."""
         if self.waiting_work is not None:

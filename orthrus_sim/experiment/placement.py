@@ -196,7 +196,7 @@ class PlacementPlanner:
         self.min_chunk = cfg.min_chunk_tokens
         self.budget = cfg.token_budget
         self._piece: int | None = None  # the embedding length of the demand being predicted
-        self.kv_tokens = cfg.num_blocks * cfg.block_size
+        self.kv_tokens = cfg.kv_tokens
         self._full: dict[int, float] = {}  # embedding length -> tokens/s with the whole budget
         self._times: dict[tuple[int, int, int], float] = {}
         self._riders: dict[tuple[int, int, int | None], float] = {}

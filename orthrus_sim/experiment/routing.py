@@ -206,7 +206,7 @@ class LeastPredictedTime(_Booked):
         slots = min(n, cfg.max_num_seqs)
         kv = (load.decode_kv + request.input_len + request.expected_output_tokens // 2) * slots // n
         waits = max(1.0, n / cfg.max_num_seqs, (load.final_kv + request.input_len
-                    + request.expected_output_tokens) / (cfg.num_blocks * cfg.block_size))
+                    + request.expected_output_tokens) / cfg.kv_tokens)
         step = replica.cost.shape_time(decode_shape(slots, kv))
         return seconds + request.expected_output_tokens * waits * step
 
@@ -367,6 +367,18 @@ class AdaptivePlacement(_Booked):
         margin = p.decode_s <= self.planner.target_s * (1 - self.planner.HYSTERESIS)
         return p if margin and (p.feasible or self._holds(toggled, d)) else None
 
+    def _better(self, plan: Prediction, kept: Prediction, d: Demand) -> bool:
+        """Whether ``plan`` (predicted at ``d``) predicts more than ``kept`` by the planner's
+        hysteresis, and, where ``kept`` holds only at the low end of ``d``, there too."""
+        more = 1 + self.planner.HYSTERESIS
+        if plan.objective <= kept.objective * more:
+            return False
+        if kept.feasible:
+            return True
+        low = self._low(d)
+        return (self.planner.predict(plan.assignment, low).objective
+                > self.planner.predict(kept.assignment, low).objective * more)
+
     def _observe(self, request: Request) -> None:
         now = request.arrival_time
         if self._since is None:
@@ -392,15 +404,9 @@ class AdaptivePlacement(_Booked):
             # but it, or it with riders toggled (no role changes), holds at the low end of what
             # that count allows: no evidence the demand moved (a side short of room grows in
             # _choose). Then it stays unless another plan predicts more by the planner's
-            # hysteresis at both ends of that range
-            more = 1 + self.planner.HYSTERESIS
-            # the planner's pick already beat a current plan that holds by its hysteresis
-            current_holds = kept.assignment == current and kept.feasible
-            better_at_count = plan.objective > kept.objective * more
-            better_at_low = kept.feasible or (
-                self.planner.predict(plan.assignment, self._low(demand)).objective
-                > self.planner.predict(kept.assignment, self._low(demand)).objective * more)
-            by_choice = current_holds or (better_at_count and better_at_low)
+            # hysteresis (``_better``; the planner's pick already beat a current plan that holds)
+            by_choice = (kept.assignment == current and kept.feasible) or (
+                self._better(plan, kept, demand))
             if not by_choice:
                 plan = kept
                 self._pending_since = None
@@ -516,14 +522,14 @@ class AdaptivePlacement(_Booked):
         if not d.asks_embedding or over > self._burst_slack(side, d):
             return False
         if kept.feasible:
-            at = d
-        elif self._holds(self.plan.assignment, d):
-            at = self._low(d)
+            at, held = d, kept
         else:
-            return False
+            at = self._low(d)
+            held = self.planner.predict(self.plan.assignment, at)
+            if not held.feasible:
+                return False
         return (self.planner.predict(grown, at).objective
-                < self.planner.predict(self.plan.assignment, at).objective
-                * (1 + self.planner.HYSTERESIS))
+                < held.objective * (1 + self.planner.HYSTERESIS))
 
     def _burst_slack(self, side: list[Any], d: Demand) -> float:
         """How far past a replica's slots or KV a burst may go before the side grows: the
@@ -531,8 +537,7 @@ class AdaptivePlacement(_Booked):
         capacity in generations of the demand's mean lengths), at most ``BURST_SLACK`` (past
         it, a slot's wait is a tenth of a generation's lifetime)."""
         final = max(1, round(d.prompt_len + d.output_len))
-        capacity = sum(min(r.policy.config.max_num_seqs,
-                           r.policy.config.num_blocks * r.policy.config.block_size // final)
+        capacity = sum(min(r.policy.config.max_num_seqs, r.policy.config.kv_tokens // final)
                        for r in side)
         return min(BURST_SLACK, self.NOISE_SD / math.sqrt(max(capacity, 1)))
 
@@ -541,8 +546,7 @@ class AdaptivePlacement(_Booked):
         placed (0: within both), as a fraction of them."""
         cfg = replica.policy.config
         load = self.load[replica.index]
-        kv = (load.final_kv + request.input_len + request.expected_output_tokens) / (
-            cfg.num_blocks * cfg.block_size)
+        kv = (load.final_kv + request.input_len + request.expected_output_tokens) / cfg.kv_tokens
         return max(0.0, (load.generations + 1) / cfg.max_num_seqs - 1, kv - 1)
 
     @staticmethod
@@ -552,7 +556,7 @@ class AdaptivePlacement(_Booked):
         queued on one replica while another has room."""
         cfg = replica.policy.config
         return (load.generations < cfg.max_num_seqs and load.final_kv + request.input_len
-                + request.expected_output_tokens <= cfg.num_blocks * cfg.block_size)
+                + request.expected_output_tokens <= cfg.kv_tokens)
 
     # ----- predictions ----------------------------------------------------------------------
     def _embedding_finish(self, replica: Any, request: Request) -> float:
