@@ -199,7 +199,25 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
                          + ". The cost model cannot reproduce these measurements as they stand "
                          "(another arrangement than the prior's, a cost no factor carries, or "
                          "runs measured under other settings than the scenario's)")
+        notes += _trade_notes(ends, current)
         return FitResult(cal, resid_rows, params, len(ev.cache), notes, misses, tried)
+
+
+def _trade_notes(ends: list, at: CostFactors) -> list[str]:
+    """A fitted parameter that another one's end frees (``ranges._corners``): its value holds
+    only while that other one stays near its fit, which its standard error does not say."""
+    out = []
+    for e in ends:
+        if not e.then:
+            continue
+        name, unit = e.then.split()[0], " s" if e.parameter.endswith("_s") else ""
+        out.append(f"{name} = {getattr(at, name):.4g} holds only while {e.parameter} stays near "
+                   f"{getattr(at, e.parameter):.4g}{unit}: with {e.parameter} = "
+                   f"{e.factors[e.parameter]:.4g}{unit}, {name} = {e.factors[name]:.4g} fits the "
+                   f"measurements as well ({'its bound' if e.at_bound else 'as far as they allow'}"
+                   f"); the prediction ranges carry both, and `predict` suggests what tells them "
+                   f"apart")
+    return out
 
 
 def _case_text(row: dict) -> str:

@@ -7,10 +7,11 @@ A move is allowed while the sum of squared log residuals grows by no more than
 move of one parameter, the others refitted (a profile of the fit's misfit). A fitted
 parameter's ends come from the fit's Jacobian (a linear profile; the fitted ones move with it
 as the Jacobian says they would refit); a parameter the fit left undetermined is moved to its
-bound, or halfway back while that grows the misfit too much, the fitted ones refitted by one
-Gauss-Newton step on the same Jacobian. Every end is then simulated once, which records its
-actual misfit growth and the measured configurations' other metrics there (the candidates of
-``suggest``).
+bound, or halfway back while that grows the misfit too much, the fitted ones refitted
+(``_Trials``); where the measurements stopped it, the fitted ones are moved on from there
+(``_corners``: an overhead that binds frees the scale it hid). Every end is then simulated once,
+which records its actual misfit growth and the measured configurations' other metrics there
+(the candidates of ``suggest``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from orthrus_sim import evaluation
 from orthrus_sim.costmodel.calibration import CalibrationFile, CandidateModel, RangeEndModel
 from orthrus_sim.costmodel.factors import CostFactors
 from orthrus_sim.evaluation import BY_NAME, Evaluator, Simulations, factors_at, jacobian, metric_value
@@ -33,6 +35,7 @@ from orthrus_sim.experiment.scenario import Scenario
 Z = 2.0  # ends at a 2-sigma move of one parameter
 SEEDS = 4  # other seeds each predicted configuration runs with: the prediction's sampling spread
 BISECT = 3  # halvings towards an undetermined parameter's farthest allowed value
+REFIT_STEPS = 2  # Gauss-Newton steps on a fresh Jacobian for a trial still past the budget
 SHRINK = 1.5  # a simulated end this far above the allowed growth is pulled in once
 
 PREDICTED = ("throughput_rps.embedding", "throughput_rps.generation", "latency_s.embedding.p50",
@@ -87,30 +90,59 @@ def _linear_end(jac: np.ndarray, at: CostFactors, fitted: list[str], name: str, 
 
 
 class _Trials:
-    """Factor sets with one parameter set to a value and the fitted ones refitted by one
-    Gauss-Newton step on the fit's Jacobian; simulated in batches."""
+    """Factor sets with one parameter set to a value and the fitted ones refitted: one
+    Gauss-Newton step on the fit's Jacobian, then, while the misfit still grows past the
+    budget, up to ``REFIT_STEPS`` more on a Jacobian taken where each starts (a per-request
+    overhead hides behind the device until it binds, so the fit's Jacobian cannot say how far
+    a scale must give way to it). Simulated in batches; the best point of each kept."""
 
-    def __init__(self, ev: Evaluator, at: CostFactors, fitted: list[str], jac: np.ndarray) -> None:
-        self.ev, self.at, self.fitted, self.jac = ev, at, fitted, jac
-        self.ssr0 = _ssr(ev.residuals(ev.simulate([at])[0]))
-        self.z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
+    def __init__(self, ev: Evaluator, at: CostFactors, fitted: list[str], jac: np.ndarray,
+                 budget: float = math.inf, ssr0: float | None = None) -> None:
+        self.ev, self.at, self.fitted, self.jac, self.budget = ev, at, fitted, jac, budget
+        self.ssr0 = _ssr(ev.residuals(ev.simulate([at])[0])) if ssr0 is None else ssr0
+
+    def _step(self, points: list[CostFactors], residuals: list[np.ndarray],
+              jacobians: list[np.ndarray]) -> list[CostFactors]:
+        lo, hi = _bounds(self.fitted)
+        out = []
+        for f, r, jac in zip(points, residuals, jacobians):
+            z = np.array([BY_NAME[n].to_z(getattr(f, n)) for n in self.fitted])
+            dz = -np.linalg.lstsq(jac, r, rcond=None)[0]
+            out.append(factors_at(f, self.fitted, np.clip(z + dz, lo, hi)))
+        return out
+
+    def jacobians(self, points: list[CostFactors]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The residuals at each point and the fitted ones' Jacobian there, in one batch."""
+        k = len(self.fitted)
+        zs = [np.array([BY_NAME[n].to_z(getattr(f, n)) for n in self.fitted]) for f in points]
+        steps = [evaluation.difference_steps(self.fitted, z) for z in zs]
+        batch = [factors_at(f, self.fitted, z + np.eye(k)[i] * st[i])
+                 for f, z, st in zip(points, zs, steps) for i in range(k)]
+        res = [self.ev.residuals(s) for s in self.ev.simulate(points + batch)]
+        n = len(points)
+        jacs = [np.column_stack([(res[n + j * k + i] - res[j]) / steps[j][i] for i in range(k)])
+                for j in range(n)]
+        return res[:n], jacs
 
     def run(self, moves: list[tuple[str, float]]) -> list[tuple[CostFactors, float]]:
         """(factors, misfit growth) for each (parameter, value)."""
         first = [replace(self.at, **{n: v}) for n, v in moves]
         r1 = [self.ev.residuals(s) for s in self.ev.simulate(first)]
-        if not self.fitted:
-            return [(f, _ssr(r) - self.ssr0) for f, r in zip(first, r1)]
-        lo, hi = _bounds(self.fitted)
-        second = []
-        for f, r in zip(first, r1):
-            dz = -np.linalg.lstsq(self.jac, r, rcond=None)[0]
-            second.append(factors_at(f, self.fitted, np.clip(self.z + dz, lo, hi)))
-        r2 = [self.ev.residuals(s) for s in self.ev.simulate(second)]
-        out = []
-        for a, ra, b, rb in zip(first, r1, second, r2):
-            out.append((a, _ssr(ra) - self.ssr0) if _ssr(ra) <= _ssr(rb) else (b, _ssr(rb) - self.ssr0))
-        return out
+        best = [(f, _ssr(r)) for f, r in zip(first, r1)]
+        if self.fitted:
+            todo = list(range(len(first)))
+            points = self._step(first, r1, [self.jac] * len(first))
+            for step in range(REFIT_STEPS + 1):
+                for i, f, s in zip(todo, points, self.ev.simulate(points)):
+                    c = _ssr(self.ev.residuals(s))
+                    if c < best[i][1]:
+                        best[i] = (f, c)
+                todo = [i for i in todo if best[i][1] - self.ssr0 > self.budget]
+                if step == REFIT_STEPS or not todo:
+                    break
+                residuals, jacs = self.jacobians([best[i][0] for i in todo])
+                points = self._step([best[i][0] for i in todo], residuals, jacs)
+        return [(f, c - self.ssr0) for f, c in best]
 
 
 def _midpoint(name: str, near: float, far: float) -> float:
@@ -124,10 +156,10 @@ def _midpoint(name: str, near: float, far: float) -> float:
     return (near + far) / 2
 
 
-def _refitted_ends(trials: _Trials, names: list[str], budget: float,
-                   say: Callable[[str], None]) -> dict[tuple[str, str], tuple[CostFactors, bool]]:
+def _refitted_ends(trials: _Trials, names: list[str], budget: float, say: Callable[[str], None],
+                   halvings: int = BISECT) -> dict[tuple[str, str], tuple[CostFactors, bool]]:
     """Each parameter the fit left out moved to either bound, or as near it as the budget
-    allows (halving the step ``BISECT`` times), the fitted ones refitted."""
+    allows (halving the step ``halvings`` times), the fitted ones refitted."""
     at = trials.at
     todo = {}
     for name in names:
@@ -148,7 +180,7 @@ def _refitted_ends(trials: _Trials, names: list[str], budget: float,
             out[k] = (f, True)
     pending = [k for k in keys if k not in out]
     spans = {k: todo[k] for k in pending}
-    for _ in range(BISECT):
+    for _ in range(halvings):
         if not pending:
             break
         mids = {k: _midpoint(k[0], *spans[k]) for k in pending}
@@ -160,6 +192,29 @@ def _refitted_ends(trials: _Trials, names: list[str], budget: float,
                 spans[k] = (near, mids[k])
     for k in pending:
         out[k] = (accepted[k], False)
+    return out
+
+
+def _corners(trials: _Trials, ends: dict[tuple[str, str], tuple[CostFactors, bool]],
+             budget: float, say: Callable[[str], None]) -> dict[tuple, tuple[CostFactors, bool]]:
+    """The far corners of trades. A per-request overhead explains a slow server as well as a
+    device-time scale does: it grows, hidden behind the device, until it binds, and from
+    there the scale may shrink with the overhead taking its place. So at each undetermined
+    parameter's end that the measurements stopped (not a bound), every fitted one is moved to
+    either bound as far as the budget allows, the other fitted ones and that parameter
+    refitted (the bound, else halfway to it); keyed (parameter, side, "fitted side")."""
+    fitted = trials.fitted
+    out: dict[tuple, tuple[CostFactors, bool]] = {}
+    for key, (f, bound) in ends.items():
+        if bound or f == trials.at or not fitted:
+            continue
+        for name in fitted:
+            refit = [n for n in fitted if n != name] + [key[0]]
+            inner = _Trials(trials.ev, f, refit, np.zeros((0, 0)), budget, trials.ssr0)
+            inner.jac = inner.jacobians([f])[1][0]  # the fit's Jacobian has no column for it
+            for (_, side), (g, _bound) in _refitted_ends(inner, [name], budget, say, 1).items():
+                if g != f:
+                    out[(*key, f"{name} {side}")] = (g, _bound)
     return out
 
 
@@ -185,11 +240,14 @@ def profile(ev: Evaluator, at: CostFactors, fitted: list[str], movable: list[str
     budget = (Z * spread) ** 2
     z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
     jac = jacobian(ev, at, fitted, z) if fitted else np.zeros((len(ev.targets), 0))
-    trials = _Trials(ev, at, fitted, jac)
+    trials = _Trials(ev, at, fitted, jac, budget)
     raw = {(n, s): _linear_end(jac, at, fitted, n, s, budget)
            for n in fitted if n in movable for s in ("low", "high")}
     raw |= _refitted_ends(trials, [n for n in movable if n not in fitted], budget, say)
-    keys = [(n, s) for n in movable for s in ("low", "high")]
+    keys: list[tuple] = [(n, s) for n in movable for s in ("low", "high")]
+    corners = _corners(trials, {k: raw[k] for k in keys if k[0] not in fitted}, budget, say)
+    raw |= corners
+    keys += list(corners)
     sims = ev.simulate([raw[k][0] for k in keys])
     # a linear end the simulation finds much dearer than the Jacobian said is pulled in once
     again = [k for k, s in zip(keys, sims) if k[0] in fitted
@@ -207,7 +265,7 @@ def profile(ev: Evaluator, at: CostFactors, fitted: list[str], movable: list[str
     for k, s in zip(keys, sims):
         f, bound = raw[k]
         ends.append(RangeEndModel(
-            parameter=k[0], side=k[1], factors=f.as_dict(),
+            parameter=k[0], side=k[1], then=k[2] if len(k) > 2 else None, factors=f.as_dict(),
             growth=max(0.0, _ssr(ev.residuals(s)) - trials.ssr0), at_bound=bound,
             candidates=[metric_value(s[case], metric, kind) for case, metric, kind in cands]))
     return ends, [CandidateModel(configuration=case[1], at=list(case[0]), metric=metric, kind=kind,
@@ -287,14 +345,19 @@ def predict(scenario: Scenario, calibration: CalibrationFile, configurations: li
                 if v is None:
                     continue
                 if v < low:
-                    low, low_end = v, f"{e.parameter} {e.side}"
+                    low, low_end = v, end_label(e)
                 if v > high:
-                    high, high_end = v, f"{e.parameter} {e.side}"
+                    high, high_end = v, end_label(e)
             samples = [at] + [_get(again[o], metric) for o in others if o[1] == case[1]]
             noise = _log_sd([v for v in samples if v])
             low, high = _widened(at, low, high, noise)
             out.append(Range(case[1], metric, at, low, high, low_end, high_end, values, noise))
     return out
+
+
+def end_label(end: RangeEndModel) -> str:
+    """'parameter side', and the fitted one it hid where that moved too."""
+    return f"{end.parameter} {end.side}" + (f", {end.then}" if end.then else "")
 
 
 def _widened(point: float, low: float, high: float, noise: float) -> tuple[float, float]:

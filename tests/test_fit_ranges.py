@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,62 @@ def test_a_range_that_is_mostly_sampling_spread_is_named_with_what_narrows_it(tm
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "mostly the prediction's own sampling spread" in " ".join(res.output.split())
+
+
+class _LValley:
+    """A server whose time per embedding is the larger of its device time (``embedding_scale``
+    x 10 ms) and a per-request overhead, measured at 30 ms, beside a decode time
+    (``decode_scale`` x 20 ms) measured at 20 ms: the overhead fits anywhere under 30 ms with
+    the scale at 3, and at 30 ms any scale under 3 fits too (an L-shaped valley)."""
+
+    def simulate(self, points):
+        return list(points)
+
+    def residuals(self, f):
+        import numpy as np
+
+        embedding = max(f.embedding_scale * 0.010, f.embedding_overhead_s)
+        return np.array([np.log(embedding / 0.030), np.log(f.decode_scale * 0.020 / 0.020)])
+
+
+def test_a_range_turns_the_corner_of_an_overhead_that_hides_a_scale():
+    """The fit sits at the valley's corner (scale 3, no overhead). Moving the undetermined
+    overhead up stops at ~30 ms with the scale unchanged, a prediction no different from the
+    point; the range must also hold the other arm (30 ms and a scale far below 3), which
+    predicts a co-served replica very differently (issue 34's 1.14x / 1.9x)."""
+    import numpy as np
+
+    from orthrus_sim.costmodel.factors import CostFactors
+    from orthrus_sim.evaluation import BY_NAME
+    from orthrus_sim.ranges import Z, _corners, _refitted_ends, _Trials
+
+    ev, fitted = _LValley(), ["embedding_scale", "decode_scale"]
+    at = CostFactors(embedding_scale=3.0, decode_scale=1.0)
+    jac = np.array([[1.0, 0.0], [0.0, 1.0]])  # d log time / d log scale at the fit
+    budget = (Z * 0.03) ** 2
+    trials = _Trials(ev, at, fitted, jac, budget)
+    ends = _refitted_ends(trials, ["embedding_overhead_s"], budget, lambda _m: None)
+    edge, bound = ends[("embedding_overhead_s", "high")]
+    assert not bound and 0.02 < edge.embedding_overhead_s < 0.032
+    assert edge.embedding_scale == pytest.approx(3.0, rel=0.05)  # the first arm: no trade yet
+    corners = _corners(trials, ends, budget, lambda _m: None)
+    far = corners[("embedding_overhead_s", "high", "embedding_scale low")][0]
+    assert far.embedding_scale == BY_NAME["embedding_scale"].low  # the scale is free again
+    assert far.embedding_overhead_s == pytest.approx(0.030, rel=0.05)  # the overhead binds
+    assert float(np.sum(ev.residuals(far) ** 2)) <= budget
+    # a scale above 3 never fits, and the decode scale is pinned: no corner moves them far
+    for key, (f, _b) in corners.items():
+        assert f.decode_scale == pytest.approx(1.0, rel=0.1), key
+        assert f.embedding_scale <= 3.0 * 1.05, key
+    # an end that a bound stopped (no measurement did) has no corner
+    assert _corners(trials, {("overlap", "low"): (replace(at, overlap=0.0), True)}, budget,
+                    lambda _m: None) == {}
+    # the fit's report says the fitted scale holds only on the first arm
+    from orthrus_sim.costmodel.calibration import RangeEndModel
+    from orthrus_sim.fit import _trade_notes
+
+    end = RangeEndModel(parameter="embedding_overhead_s", side="high", then="embedding_scale low",
+                        factors=far.as_dict(), growth=0.0, at_bound=True)
+    (note,) = _trade_notes([end], at)
+    assert note.startswith("embedding_scale = 3 holds only while embedding_overhead_s stays near 0")
+    assert "embedding_scale = 0.05 fits the measurements as well (its bound)" in note

@@ -147,6 +147,8 @@ class RangeEndModel(BaseModel):
     factors: dict[str, float]
     growth: float = Field(description="growth of the sum of squared log residuals over the fit's")
     at_bound: bool = Field(description="the parameter's bound stopped it, not the measurements")
+    then: str | None = Field(default=None, description="a fitted parameter this end hides, then "
+                             "moved too ('embedding_scale low'): the far corner of a trade")
     candidates: list[float | None] = Field(default_factory=list, description="the candidate "
                                            "measurements simulated at this end")
 
