@@ -35,6 +35,7 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,36 +75,6 @@ CO_SERVED = "orthrus"
 CHECKED = ("throughput_rps.embedding", "throughput_rps.generation")
 
 
-@dataclass(frozen=True)
-class Setting:
-    """Where the hidden truth is measured: the prior, the split and the scenario."""
-
-    name: str
-    prior: Path
-    split: str
-    describe: str
-
-    def raw(self, calibration: Path | None = None, seed: int = 5) -> dict:
-        if self.name == "paper":
-            return paper_raw(calibration or self.prior, seed)
-        return scenario_raw(calibration or self.prior, seed)
-
-
-def paper_raw(calibration: Path, seed: int) -> dict:
-    """The issue's case: the mix sweep (4 x A100, 512 clients) in one mixed pool, 90 s."""
-    raw = read_scenario("mix_sweep")
-    raw.update(seed=seed, duration_s=90, calibration=str(calibration),
-               configurations=["dedicated-1:3"])
-    raw["workload"]["arrival"]["pools"] = "mixed"
-    return raw
-
-
-SETTINGS = {
-    "cpu": Setting("cpu", PRIOR, "dedicated-1:1", "2 CPU replicas, 12 clients, 60 s"),
-    "paper": Setting("paper", A100, "dedicated-1:3", "4 x A100 mix sweep, 512 clients, 90 s"),
-}
-
-
 def scenario_raw(calibration: Path = PRIOR, seed: int = 5) -> dict:
     """A 2-replica CPU deployment, one mixed pool of 12 closed-loop clients."""
     return {
@@ -119,6 +90,34 @@ def scenario_raw(calibration: Path = PRIOR, seed: int = 5) -> dict:
             "generation_output": {"dist": "uniform", "low": 16, "high": 64}},
         "configurations": ["dedicated-1:1"],
     }
+
+
+def paper_raw(calibration: Path, seed: int) -> dict:
+    """The issue's case: the mix sweep (4 x A100, 512 clients) in one mixed pool, 90 s."""
+    raw = read_scenario("mix_sweep")
+    raw.update(seed=seed, duration_s=90, calibration=str(calibration),
+               configurations=["dedicated-1:3"])
+    raw["workload"]["arrival"]["pools"] = "mixed"
+    return raw
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where the hidden truth is measured: the prior, the split and the scenario."""
+
+    prior: Path
+    split: str
+    describe: str
+    scenario: Callable[[Path, int], dict]  # (calibration, seed) -> the raw scenario
+
+    def raw(self, calibration: Path | None = None, seed: int = 5) -> dict:
+        return self.scenario(calibration or self.prior, seed)
+
+
+SETTINGS = {
+    "cpu": Setting(PRIOR, "dedicated-1:1", "2 CPU replicas, 12 clients, 60 s", scenario_raw),
+    "paper": Setting(A100, "dedicated-1:3", "4 x A100 mix sweep, 512 clients, 90 s", paper_raw),
+}
 
 
 def hidden_truth(seed: int) -> dict[str, float]:

@@ -216,13 +216,26 @@ def difference_steps(names: list[str], z: np.ndarray) -> np.ndarray:
 
 
 def jacobian(ev: Evaluator, base: CostFactors, names: list[str], z: np.ndarray) -> np.ndarray:
-    steps = difference_steps(names, z)
-    points = [factors_at(base, names, z)]
-    for i in range(len(names)):
-        zi = z.copy()
-        zi[i] += steps[i]
-        points.append(factors_at(base, names, zi))
-    sims = ev.simulate(points)
-    r0 = ev.residuals(sims[0])
-    cols = [(ev.residuals(s) - r0) / steps[i] for i, s in enumerate(sims[1:])]
-    return np.column_stack(cols) if cols else np.zeros((len(r0), 0))
+    return jacobians(ev, [base], names, [z])[0][1]
+
+
+def jacobians(ev: Evaluator, bases: list[CostFactors], names: list[str],
+              zs: list[np.ndarray] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(residuals, forward-difference Jacobian of ``names``) at each base with ``names`` set
+    from its z (default: its own values), every point simulated in one batch."""
+    if zs is None:
+        points = list(bases)
+        zs = [np.array([BY_NAME[n].to_z(getattr(b, n)) for n in names]) for b in bases]
+    else:
+        points = [factors_at(b, names, z) for b, z in zip(bases, zs)]
+    k = len(names)
+    steps = [difference_steps(names, z) for z in zs]
+    points += [factors_at(b, names, z + np.eye(k)[i] * st[i])
+               for b, z, st in zip(bases, zs, steps) for i in range(k)]
+    res = [ev.residuals(s) for s in ev.simulate(points)]
+    n = len(bases)
+    out = []
+    for j in range(n):
+        cols = [(res[n + j * k + i] - res[j]) / steps[j][i] for i in range(k)]
+        out.append((res[j], np.column_stack(cols) if cols else np.zeros((len(res[j]), 0))))
+    return out

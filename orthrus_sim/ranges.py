@@ -24,10 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from orthrus_sim import evaluation
 from orthrus_sim.costmodel.calibration import CalibrationFile, CandidateModel, RangeEndModel
 from orthrus_sim.costmodel.factors import CostFactors
-from orthrus_sim.evaluation import BY_NAME, Evaluator, Simulations, factors_at, jacobian, metric_value
+from orthrus_sim.evaluation import (
+    BY_NAME,
+    Evaluator,
+    Simulations,
+    factors_at,
+    jacobian,
+    jacobians,
+    metric_value,
+)
 from orthrus_sim.experiment.measured import ITERATION_RATE
 from orthrus_sim.experiment.results import _get
 from orthrus_sim.experiment.scenario import Scenario
@@ -102,27 +109,14 @@ class _Trials:
         self.ssr0 = _ssr(ev.residuals(ev.simulate([at])[0])) if ssr0 is None else ssr0
 
     def _step(self, points: list[CostFactors], residuals: list[np.ndarray],
-              jacobians: list[np.ndarray]) -> list[CostFactors]:
+              jacs: list[np.ndarray]) -> list[CostFactors]:
         lo, hi = _bounds(self.fitted)
         out = []
-        for f, r, jac in zip(points, residuals, jacobians):
+        for f, r, jac in zip(points, residuals, jacs):
             z = np.array([BY_NAME[n].to_z(getattr(f, n)) for n in self.fitted])
             dz = -np.linalg.lstsq(jac, r, rcond=None)[0]
             out.append(factors_at(f, self.fitted, np.clip(z + dz, lo, hi)))
         return out
-
-    def jacobians(self, points: list[CostFactors]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """The residuals at each point and the fitted ones' Jacobian there, in one batch."""
-        k = len(self.fitted)
-        zs = [np.array([BY_NAME[n].to_z(getattr(f, n)) for n in self.fitted]) for f in points]
-        steps = [evaluation.difference_steps(self.fitted, z) for z in zs]
-        batch = [factors_at(f, self.fitted, z + np.eye(k)[i] * st[i])
-                 for f, z, st in zip(points, zs, steps) for i in range(k)]
-        res = [self.ev.residuals(s) for s in self.ev.simulate(points + batch)]
-        n = len(points)
-        jacs = [np.column_stack([(res[n + j * k + i] - res[j]) / steps[j][i] for i in range(k)])
-                for j in range(n)]
-        return res[:n], jacs
 
     def run(self, moves: list[tuple[str, float]]) -> list[tuple[CostFactors, float]]:
         """(factors, misfit growth) for each (parameter, value)."""
@@ -140,8 +134,9 @@ class _Trials:
                 todo = [i for i in todo if best[i][1] - self.ssr0 > self.budget]
                 if step == REFIT_STEPS or not todo:
                     break
-                residuals, jacs = self.jacobians([best[i][0] for i in todo])
-                points = self._step([best[i][0] for i in todo], residuals, jacs)
+                starts = [best[i][0] for i in todo]
+                at_starts = jacobians(self.ev, starts, self.fitted)
+                points = self._step(starts, [r for r, _ in at_starts], [j for _, j in at_starts])
         return [(f, c - self.ssr0) for f, c in best]
 
 
@@ -210,8 +205,8 @@ def _corners(trials: _Trials, ends: dict[tuple[str, str], tuple[CostFactors, boo
             continue
         for name in fitted:
             refit = [n for n in fitted if n != name] + [key[0]]
-            inner = _Trials(trials.ev, f, refit, np.zeros((0, 0)), budget, trials.ssr0)
-            inner.jac = inner.jacobians([f])[1][0]  # the fit's Jacobian has no column for it
+            jac_f = jacobians(trials.ev, [f], refit)[0][1]  # the fit's has no column for it
+            inner = _Trials(trials.ev, f, refit, jac_f, budget, trials.ssr0)
             for (_, side), (g, _bound) in _refitted_ends(inner, [name], budget, say, 1).items():
                 if g != f:
                     out[(*key, f"{name} {side}")] = (g, _bound)
