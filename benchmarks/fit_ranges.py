@@ -14,12 +14,14 @@ them), and then, knowing only those numbers:
   point's 2-sigma error band (the fitted parameters' standard errors carried to the prediction
   through its own finite differences);
 * takes the measurement the tool suggests for the widest range, "measures" it on the truth,
-  fits again with it and reports how much the range narrowed.
+  fits again with it and reports how much the range narrowed; and the same for the one run it
+  suggests (a measured configuration at one of its mixes, every metric kept that the published
+  numbers left out: the same simulated run, as a bench that kept its whole report).
 
-    python benchmarks/fit_ranges.py                  # 20 seeds, ~10-20 min on 2 cores
+    python benchmarks/fit_ranges.py                  # 20 seeds, ~20-30 min on 2 cores
     python benchmarks/fit_ranges.py --measure throughputs   # the narrowing case
     python benchmarks/fit_ranges.py --seeds 3 --out out/fit-ranges
-    python benchmarks/fit_ranges.py --setting paper --measure throughputs --seeds 10  # ~40 min
+    python benchmarks/fit_ranges.py --setting paper --measure throughputs --seeds 10  # ~60 min
 
 ``--setting paper`` is the issue's own case at full size: Dedicated-1:3 of the A100 mix sweep,
 512 clients in one mixed pool (90 s), where the prediction's sampling spread is small and an
@@ -59,7 +61,7 @@ from orthrus_sim.experiment.measured import MeasuredRun, run_metrics
 from orthrus_sim.experiment.results import _get
 from orthrus_sim.experiment.scenario import apply_overrides, parse_scenario, read_scenario
 from orthrus_sim.fit import fit
-from orthrus_sim.ranges import predict, sampling_bound, suggest
+from orthrus_sim.ranges import predict, sampling_bound, suggest, suggest_run
 from orthrus_sim.sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +138,12 @@ def truth_file(factors: dict[str, float], path: Path, prior: Path = PRIOR) -> Pa
 
 def measure(raw: dict, configuration: str, share: float) -> dict:
     """One simulated "measurement": the configuration's metrics at a mix."""
-    sc = parse_scenario(apply_overrides(raw, [f"workload.generation_share={share}"]))
+    return measure_at(raw, configuration, [f"workload.generation_share={share}"])
+
+
+def measure_at(raw: dict, configuration: str, overrides: list[str]) -> dict:
+    """The configuration's metrics under scenario overrides (a suggestion's ``at``)."""
+    sc = parse_scenario(apply_overrides(raw, overrides))
     return simulate(sc, configuration, keep_rows=False).metrics
 
 
@@ -243,21 +250,38 @@ def one_seed(seed: int, workers: int, work: Path, spread: float,
     band = error_band(sc, mid, runs, result, widest.metric, workers, spread, widest.noise,
                       setting.prior)
     row["band"] = band
+
+    def narrowed_by(extra: list[MeasuredRun], key: str) -> None:
+        """Fit again with ``extra`` measured on the truth; the widest range's metric again."""
+        again = fit(sc, runs + extra, workers, FIXED, spread=spread)
+        after = [r for r in predict(mid, again.calibration, [CO_SERVED], workers)
+                 if r.metric == widest.metric][0]
+        row[f"{key}narrowed_width"] = after.width
+        row[f"{key}narrowed_parameter_width"] = after.parameter_width
+        row[f"{key}narrowed_inside"] = after.low * 0.999 <= _get(real, widest.metric) <= after.high * 1.001
+
     tips = suggest(widest, result.calibration)
     if tips and widest.width > 0:
         tip = tips[0]
-        share = float(tip.at[0].split("=")[1]) if tip.at else 0.5
-        value = metric_value(measure(raw_truth, tip.configuration, share), tip.metric, tip.kind)
-        more = list(runs)
-        more.append(MeasuredRun(tip.configuration, {tip.metric: value}, "suggested", tip.kind,
-                                tuple(tip.at)))
-        again = fit(sc, more, workers, FIXED, spread=spread)
-        narrowed = [r for r in predict(mid, again.calibration, [CO_SERVED], workers)
-                    if r.metric == widest.metric][0]
+        value = metric_value(measure_at(raw_truth, tip.configuration, tip.at), tip.metric,
+                             tip.kind)
         row["suggested"] = tip.as_dict() | {"estimated_removal": tip.removes}
-        row["narrowed_width"] = narrowed.width
-        row["narrowed_parameter_width"] = narrowed.parameter_width
-        row["narrowed_inside"] = narrowed.low * 0.999 <= _get(real, widest.metric) <= narrowed.high * 1.001
+        if value:  # a metric over no requests is not a measurement
+            narrowed_by([MeasuredRun(tip.configuration, {tip.metric: value}, "suggested",
+                                     tip.kind, tuple(tip.at))], "")
+    whole = suggest_run(widest, result.calibration)
+    if whole and widest.width > 0:
+        tip = whole[0]
+        doc = measure_at(raw_truth, tip.configuration, tip.at)
+        by_kind: dict[str | None, dict[str, float]] = {}
+        for m in tip.metrics:
+            value = metric_value(doc, m.metric, m.kind)
+            if value:
+                by_kind.setdefault(m.kind, {})[m.metric] = value
+        row["suggested_run"] = tip.as_dict()
+        if by_kind:
+            narrowed_by([MeasuredRun(tip.configuration, metrics, "suggested run", kind,
+                                     tuple(tip.at)) for kind, metrics in by_kind.items()], "run_")
     return row
 
 
@@ -268,7 +292,7 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
                         f"{'/'.join(map(str, mixes))}, one mixed pool, {measured} measured; "
                         f"predicting Orthrus at 0.5)")
     for col in ("seed", "truth e/d/oh/ov", "determined", "recovered", "inside", "widest", "width",
-                "2-sigma band", "suggested", "after", "fit s"):
+                "2-sigma band", "suggested", "after", "run", "after run", "fit s"):
         table.add_column(col, overflow="fold")
     for r in rows:
         t = r["truth"]
@@ -286,7 +310,12 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
              + (f" ({r['suggested']['kind']})" if r["suggested"]["kind"] else "")
              + (f" @{r['suggested']['at'][0].split('=')[1]}" if r["suggested"]["at"] else ""))
             if "suggested" in r else "-",
-            f"{r['narrowed_width']:.1%}" if "narrowed_width" in r else "-", f"{r['fit_s']:.0f}")
+            f"{r['narrowed_width']:.1%}" if "narrowed_width" in r else "-",
+            (r["suggested_run"]["configuration"] + " @"
+             + ";".join(a.split("=")[1] for a in r["suggested_run"]["at"]))
+            if "suggested_run" in r else "-",
+            f"{r['run_narrowed_width']:.1%}" if "run_narrowed_width" in r else "-",
+            f"{r['fit_s']:.0f}")
     console.print(table)
     n = len(rows)
     covered = sum(all(r["inside"].values()) for r in rows)
@@ -308,6 +337,17 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
     console.print(f"the suggested measurement narrowed the widest range by >= 50 %: {narrow_ok}/{n}"
                   + (f" (median {np.median(cut):.0%}; the truth still inside in "
                      f"{sum(bool(r.get('narrowed_inside')) for r in rows)}/{len(cut)})" if cut else ""))
+    run_cut = [1 - r["run_narrowed_width"] / r["width"] for r in rows
+               if "run_narrowed_width" in r and r["width"] > 0]
+    run_cut_p = [1 - r["run_narrowed_parameter_width"] / r["parameter_width"] for r in rows
+                 if "run_narrowed_parameter_width" in r and r["parameter_width"] > 0]
+    if run_cut:
+        console.print(
+            f"the suggested run (one more bench of a measured configuration, every metric kept) "
+            f"narrowed it by >= 50 %: {sum(c >= 0.5 for c in run_cut)}/{n} (median "
+            f"{np.median(run_cut):.0%}; its parameters' part by >= 50 %: "
+            f"{sum(c >= 0.5 for c in run_cut_p)}/{len(run_cut_p)}; the truth still inside in "
+            f"{sum(bool(r.get('run_narrowed_inside')) for r in rows)}/{len(run_cut)})")
     bound = sum(bool(r.get("sampling_bound")) for r in rows)
     console.print(f"the widest range mostly the prediction's own sampling spread (its parameters' "
                   f"part under half its width; `predict` names it): {bound}/{n}")

@@ -269,17 +269,20 @@ def _configurations(value: str, flag: str) -> list[str]:
     return configs
 
 
-def _predictions(sc, cal, configs: list[str], workers: int) -> tuple[list, list]:
-    """The configurations' ranges under ``cal``, and what to measure next for the widest."""
+def _predictions(sc, cal, configs: list[str], workers: int) -> tuple[list, list, list]:
+    """The configurations' ranges under ``cal``, and what to measure next for the widest: the
+    single metrics, and the one run that would remove most."""
     import os
 
     from orthrus_sim.ranges import predict as run_predict
-    from orthrus_sim.ranges import suggest
+    from orthrus_sim.ranges import suggest, suggest_run
 
     with console.status("predicting ..."):
         ranges = run_predict(sc, cal, configs, workers or os.cpu_count() or 1)
     widest = _widest(ranges)
-    return ranges, (suggest(widest, cal) if widest else [])
+    if widest is None:
+        return ranges, [], []
+    return ranges, suggest(widest, cal), suggest_run(widest, cal)
 
 
 def _widest(ranges: list):
@@ -292,15 +295,16 @@ def _window_s(sc) -> float | None:
     return sc.duration_s - sc.warmup_s if sc.duration_s is not None else None
 
 
-def _predictions_doc(ranges: list, nexts: list, duration_s: float | None) -> dict:
+def _predictions_doc(ranges: list, nexts: list, runs: list, duration_s: float | None) -> dict:
     from orthrus_sim.ranges import sampling_bound
 
     bound = sampling_bound(ranges, duration_s)
     return {"ranges": [r.as_dict() for r in ranges], "measure_next": [s.as_dict() for s in nexts],
+            "measure_next_run": [s.as_dict() for s in runs],
             "sampling_bound": bound.as_dict() if bound else None}
 
 
-def _print_predictions(name: str, source: str, cal, ranges: list, nexts: list,
+def _print_predictions(name: str, source: str, cal, ranges: list, nexts: list, runs: list,
                        duration_s: float | None) -> None:
     from orthrus_sim.ranges import sampling_bound
 
@@ -322,6 +326,17 @@ def _print_predictions(name: str, source: str, cal, ranges: list, nexts: list,
         of = f" of its {s.kind} servers (bench --only {s.kind})" if s.kind else ""
         console.print(f"measure next: {s.configuration}{where} {s.metric}{of} (would remove "
                       f"~{s.removes:.0%} of the {widest.configuration} {widest.metric} range)",
+                      highlight=False, markup=False)
+    best = max((s.removes for s in nexts), default=0.0)
+    for run in runs:
+        if len(run.metrics) < 2 and run.removes <= best:
+            continue  # the same as a single metric above
+        where = f" at {'; '.join(run.at)}" if run.at else ""
+        kept = ", ".join(m.metric + (f" of its {m.kind} servers" if m.kind else "")
+                         for m in run.metrics)
+        console.print(f"or one more run: {run.configuration}{where}, keeping every metric it "
+                      f"reports ({kept}; a split's per-kind figures from its servers' benches, "
+                      f"bench --only KIND): would remove ~{run.removes:.0%}",
                       highlight=False, markup=False)
     bound = sampling_bound(ranges, duration_s)
     if bound is not None:
@@ -357,17 +372,17 @@ def predict(
     try:
         sc = load_scenario(scenario, set_)
         cal = load_calibration(calibration)
-        ranges, nexts = _predictions(sc, cal, _configurations(configurations, "--configurations"),
-                                     workers)
+        ranges, nexts, runs = _predictions(sc, cal, _configurations(configurations,
+                                                                     "--configurations"), workers)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:
         interrupted()
     if fmt == "json":
-        console.print(json.dumps(_predictions_doc(ranges, nexts, _window_s(sc))), markup=False,
+        console.print(json.dumps(_predictions_doc(ranges, nexts, runs, _window_s(sc))), markup=False,
                       highlight=False, soft_wrap=True)
     else:
-        _print_predictions(sc.name, str(calibration), cal, ranges, nexts, _window_s(sc))
+        _print_predictions(sc.name, str(calibration), cal, ranges, nexts, runs, _window_s(sc))
 
 
 def _print_fit(result) -> None:

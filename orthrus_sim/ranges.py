@@ -425,32 +425,83 @@ def sampling_bound(ranges: list[Range], duration_s: float | None) -> SamplingBou
                          widest.parameter_width, widest.noise, duration_s)
 
 
-def suggest(widest: Range, calibration: CalibrationFile, top: int = 3) -> list[Suggestion]:
-    """The candidate measurements ranked by how much of ``widest`` each would remove, were it
-    measured at the fit's simulated value: at every end, the new metric's log distance from
-    that value adds to the misfit growth, and the end moves back along its path until the
-    growth is within the budget again (growth taken as quadratic along the path); the
-    prediction's sampling spread is added back as ``predict`` adds it."""
-    fit_doc = calibration.factor_fit
-    if fit_doc is None or not fit_doc.range_ends or widest.high <= widest.low:
-        return []
+def _removal(widest: Range, fit_doc, picked: list[int]) -> float:
+    """The share of ``widest``'s width that measuring the candidates ``picked`` (indices into
+    the fit's candidates) would remove, were each measured at the fit's simulated value: at
+    every end, each new metric's log distance from that value adds to the misfit growth, and
+    the end moves back along its path until the growth is within the budget again (growth
+    taken as quadratic along the path); the prediction's sampling spread is added back as
+    ``predict`` adds it (no measurement of the fit removes it)."""
     budget = (Z * fit_doc.spread) ** 2
-    out = []
-    for ci, cand in enumerate(fit_doc.candidates):
-        lows, highs = [widest.point], [widest.point]
-        for e, v in zip(fit_doc.range_ends, widest.values):
-            if v is None:
-                continue
+    moved = [widest.point]
+    for e, v in zip(fit_doc.range_ends, widest.values):
+        if v is None:
+            continue
+        grown = e.growth
+        for ci in picked:
             c = e.candidates[ci] if ci < len(e.candidates) else None
-            d = math.log(c / cand.value) if c and cand.value else 1.0
-            grown = e.growth + d * d
-            t = 1.0 if grown <= budget else math.sqrt(budget / grown)
-            moved = widest.point + t * (v - widest.point)
-            lows.append(moved)
-            highs.append(moved)
-        low, high = _widened(widest.point, min(lows), max(highs), widest.noise)
-        width = high - low  # what no measurement of the fit removes stays: the sampling spread
-        out.append(Suggestion(cand.configuration, cand.at, cand.metric, cand.kind, cand.value,
-                              1 - width / (widest.high - widest.low)))
+            value = fit_doc.candidates[ci].value
+            grown += math.log(c / value) ** 2 if c and value else 1.0
+        t = 1.0 if grown <= budget else math.sqrt(budget / grown)
+        moved.append(widest.point + t * (v - widest.point))
+    low, high = _widened(widest.point, min(moved), max(moved), widest.noise)
+    return 1 - (high - low) / (widest.high - widest.low)
+
+
+def _can_narrow(widest: Range, calibration: CalibrationFile) -> bool:
+    """Whether there is anything to rank: a fit with range ends and a range of some width."""
+    fit_doc = calibration.factor_fit
+    return bool(fit_doc and fit_doc.range_ends and widest.high > widest.low)
+
+
+def suggest(widest: Range, calibration: CalibrationFile, top: int = 3) -> list[Suggestion]:
+    """The candidate measurements (one metric each) ranked by how much of ``widest`` each
+    would remove (``_removal``)."""
+    if not _can_narrow(widest, calibration):
+        return []
+    fit_doc = calibration.factor_fit
+    out = [_suggestion(widest, fit_doc, i) for i in range(len(fit_doc.candidates))]
+    out.sort(key=lambda s: -s.removes)
+    return out[:top]
+
+
+def _suggestion(widest: Range, fit_doc, i: int) -> Suggestion:
+    c = fit_doc.candidates[i]
+    return Suggestion(c.configuration, list(c.at), c.metric, c.kind, c.value,
+                      _removal(widest, fit_doc, [i]))
+
+
+@dataclass
+class RunSuggestion:
+    """One more run of a measured configuration under the overrides it was measured at, with
+    every metric its bench reports kept (a published table kept only some): one run's cost
+    pins what no one of its metrics pins alone (a trade seen in a server's p50 and a
+    co-batching saving in the generation servers' TTFT)."""
+
+    configuration: str
+    at: list[str]
+    metrics: list[Suggestion]  # each metric the run adds, with its own removal alone
+    removes: float  # share of the range's width the whole run would remove
+
+    def as_dict(self) -> dict:
+        return {"configuration": self.configuration, "at": self.at, "removes": self.removes,
+                "metrics": [{"metric": m.metric, "kind": m.kind, "value": m.value,
+                             "removes": m.removes} for m in self.metrics]}
+
+
+def suggest_run(widest: Range, calibration: CalibrationFile, top: int = 1) -> list[RunSuggestion]:
+    """The measured configurations' runs (configuration, overrides), each with every candidate
+    metric it reports, ranked by how much of ``widest`` the whole run would remove."""
+    if not _can_narrow(widest, calibration):
+        return []
+    fit_doc = calibration.factor_fit
+    runs: dict[tuple, list[int]] = {}
+    for i, c in enumerate(fit_doc.candidates):
+        runs.setdefault((c.configuration, tuple(c.at)), []).append(i)
+    out = []
+    for (configuration, at), picked in runs.items():
+        out.append(RunSuggestion(configuration, list(at),
+                                 [_suggestion(widest, fit_doc, i) for i in picked],
+                                 _removal(widest, fit_doc, picked)))
     out.sort(key=lambda s: -s.removes)
     return out[:top]

@@ -90,6 +90,16 @@ def test_joint_fit_across_loads_recovers_truth_and_gives_ranges_that_hold_it(tmp
                                      str(out), "--configurations", "dedicated-1:1",
                                      "--workers", "2"])
     assert table.exit_code == 0 and "throughput_rps.embedding" in table.output
+    # what to measure next: single metrics and the one run, each of a measured configuration
+    nexts = report["predictions"]
+    assert nexts["measure_next"] and nexts["measure_next_run"]
+    run = nexts["measure_next_run"][0]
+    assert run["configuration"] == "dedicated-1:1" and run["metrics"]
+    assert tuple(run["at"]) in {("workload.pools.1.clients=2",), ("workload.pools.1.clients=8",)}
+    # adding a run's metrics never removes less: the best run beats the best single metric
+    assert run["removes"] >= nexts["measure_next"][0]["removes"] - 1e-9
+    if len(run["metrics"]) > 1:
+        assert "or one more run: dedicated-1:1" in " ".join(table.output.split())
 
 
 IMPOSSIBLE = """
@@ -280,3 +290,49 @@ def test_a_range_turns_the_corner_of_an_overhead_that_hides_a_scale():
     (note,) = _trade_notes([end], at)
     assert note.startswith("embedding_scale = 3 holds only while embedding_overhead_s stays near 0")
     assert "embedding_scale = 0.05 fits the measurements as well (its bound)" in note
+
+
+def test_one_more_run_pins_two_drivers_that_no_one_metric_pins():
+    """A range with two drivers (a co-batching saving at its low end, an overhead-for-device
+    trade at its high end) is narrowed by one metric per driver: no single metric halves it,
+    while one more run of the split, every metric it reports kept (the whole split's and its
+    embedding servers' alike), pins both."""
+    from types import SimpleNamespace
+
+    from orthrus_sim.costmodel.calibration import CandidateModel, RangeEndModel
+    from orthrus_sim.ranges import Range, suggest, suggest_run
+
+    def cand(at, metric, value, kind=None):
+        return CandidateModel(configuration="dedicated-1:3", at=[f"workload.generation_share={at}"],
+                              metric=metric, kind=kind, value=value)
+
+    # the candidates' values at the fit, then at each end: each driver seen by one metric
+    candidates = [cand(0.9, "latency_s.ttft.p50", 0.06), cand(0.9, "iterations_per_s", 40.0,
+                                                                "embedding"),
+                  cand(0.1, "utilization.busy", 0.8, "embedding")]
+    low = RangeEndModel(parameter="overlap", side="low", factors={}, growth=0.0, at_bound=True,
+                        candidates=[0.09, 40.0, 0.81])  # TTFT at 0.9 sees the saving
+    high = RangeEndModel(parameter="embedding_overhead_s", side="high", factors={}, growth=0.0,
+                         at_bound=False, then="embedding_scale low",
+                         candidates=[0.06, 60.0, 0.8])  # the embedding servers' steps see the trade
+    cal = SimpleNamespace(factor_fit=SimpleNamespace(range_ends=[low, high], candidates=candidates,
+                                                     spread=0.03))
+    widest = Range("orthrus", "throughput_rps.embedding", 10.0, 7.0, 13.0, "overlap low",
+                   "embedding_overhead_s high, embedding_scale low", [7.0, 13.0], 0.0)
+    singles = suggest(widest, cal, top=3)
+    assert {s.metric for s in singles[:2]} == {"latency_s.ttft.p50", "iterations_per_s"}
+    assert all(s.removes <= 0.5 for s in singles)  # each pins one end only
+    runs = suggest_run(widest, cal, top=2)
+    best = runs[0]
+    assert best.at == ["workload.generation_share=0.9"] and best.removes > 0.8
+    assert {(m.metric, m.kind) for m in best.metrics} == {("latency_s.ttft.p50", None),
+                                                         ("iterations_per_s", "embedding")}
+    # a run removes at least what any one of its metrics does, and the weak run ranks below
+    assert best.removes >= max(m.removes for m in best.metrics)
+    assert runs[1].at == ["workload.generation_share=0.1"] and runs[1].removes < best.removes
+    doc = best.as_dict()["metrics"]
+    assert {(m["metric"], m["kind"], m["value"]) for m in doc} == {
+        ("latency_s.ttft.p50", None, 0.06), ("iterations_per_s", "embedding", 40.0)}
+    # with the prediction's sampling spread the run removes less: that part stays
+    noisy = replace(widest, noise=0.05)
+    assert suggest_run(noisy, cal)[0].removes < best.removes
