@@ -167,7 +167,7 @@ def freed(result) -> set[str]:
     corner: an overhead binding where the fit had the device time)."""
     out = set()
     for e in result.calibration.factor_fit.range_ends:
-        name = e.then.split()[0] if e.then else None
+        name = e.moved_too
         if name and not _close(name, abs(e.factors[name] - result.parameters[name]["value"]),
                                result.parameters[name]["value"]):
             out.add(name)
@@ -285,6 +285,13 @@ def one_seed(seed: int, workers: int, work: Path, spread: float,
     return row
 
 
+def _cuts(rows: list[dict], prefix: str, width: str = "width") -> list[float]:
+    """How much of each seed's widest range (``width``: whole, or ``parameter_width``) the
+    measurement keyed ``prefix`` removed."""
+    return [1 - r[f"{prefix}narrowed_{width}"] / r[width] for r in rows
+            if f"{prefix}narrowed_{width}" in r and r[width] > 0]
+
+
 def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
            measured: str = "all", setting: Setting = SETTINGS["cpu"]) -> None:
     table = Table(title=f"fit ranges against simulated ground truths ({setting.describe}; "
@@ -321,8 +328,6 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
     covered = sum(all(r["inside"].values()) for r in rows)
     rec = sum(all(r["recovered"].values()) for r in rows)
     pinned = [r for r in rows if r["band"] is not None]
-    narrow_ok = sum(1 for r in rows if "narrowed_width" in r and r["width"] > 0
-                    and r["narrowed_width"] <= 0.5 * r["width"])
     console.print(f"every parameter determined to 10 % recovered within 10 %: {rec}/{n} seeds "
                   f"({sum(len(r['recovered']) for r in rows)} parameters determined)")
     console.print(f"truth's co-served throughput (both kinds) inside the range: {covered}/{n}")
@@ -330,17 +335,12 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
         ratios = [r["width"] / r["band"] for r in pinned if r["band"]]
         console.print(f"all four pinned in {len(pinned)}/{n}: range / 2-sigma band "
                       f"median {np.median(ratios):.2f}, max {max(ratios):.2f}")
-    cut = [1 - r["narrowed_width"] / r["width"] for r in rows
-           if "narrowed_width" in r and r["width"] > 0]
-    cut_p = [1 - r["narrowed_parameter_width"] / r["parameter_width"] for r in rows
-             if "narrowed_parameter_width" in r and r["parameter_width"] > 0]
-    console.print(f"the suggested measurement narrowed the widest range by >= 50 %: {narrow_ok}/{n}"
+    cut, cut_p = _cuts(rows, ""), _cuts(rows, "", "parameter_width")
+    console.print(f"the suggested measurement narrowed the widest range by >= 50 %: "
+                  f"{sum(c >= 0.5 for c in cut)}/{n}"
                   + (f" (median {np.median(cut):.0%}; the truth still inside in "
                      f"{sum(bool(r.get('narrowed_inside')) for r in rows)}/{len(cut)})" if cut else ""))
-    run_cut = [1 - r["run_narrowed_width"] / r["width"] for r in rows
-               if "run_narrowed_width" in r and r["width"] > 0]
-    run_cut_p = [1 - r["run_narrowed_parameter_width"] / r["parameter_width"] for r in rows
-                 if "run_narrowed_parameter_width" in r and r["parameter_width"] > 0]
+    run_cut, run_cut_p = _cuts(rows, "run_"), _cuts(rows, "run_", "parameter_width")
     if run_cut:
         console.print(
             f"the suggested run (one more bench of a measured configuration, every metric kept) "

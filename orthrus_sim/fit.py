@@ -208,9 +208,9 @@ def _trade_notes(ends: list, at: CostFactors) -> list[str]:
     only while that other one stays near its fit, which its standard error does not say."""
     out = []
     for e in ends:
-        if not e.then:
+        name, unit = e.moved_too, " s" if e.parameter.endswith("_s") else ""
+        if name is None:
             continue
-        name, unit = e.then.split()[0], " s" if e.parameter.endswith("_s") else ""
         out.append(f"{name} = {getattr(at, name):.4g} holds only while {e.parameter} stays near "
                    f"{getattr(at, e.parameter):.4g}{unit}: with {e.parameter} = "
                    f"{e.factors[e.parameter]:.4g}{unit}, {name} = {e.factors[name]:.4g} fits the "

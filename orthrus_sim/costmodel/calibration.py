@@ -152,6 +152,11 @@ class RangeEndModel(BaseModel):
     candidates: list[float | None] = Field(default_factory=list, description="the candidate "
                                            "measurements simulated at this end")
 
+    @property
+    def moved_too(self) -> str | None:
+        """The fitted parameter a trade's corner moved as well (``then``'s name), if any."""
+        return self.then.split()[0] if self.then else None
+
 
 class FactorFitModel(BaseModel):
     """How ``orthrus-sim fit`` arrived at the factors: what it was fitted to, and how well."""
