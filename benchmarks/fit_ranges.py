@@ -10,11 +10,14 @@ them), and then, knowing only those numbers:
   every parameter the fit calls fitted against the truth (within 10 %; an overhead within 10 %
   or 2 ms);
 * predicts Orthrus at the middle mix with its range and checks that the truth's throughput of
-  each kind lies inside; where the fit pinned every parameter, compares the range with the
-  point's 2-sigma error band (the fitted parameters' standard errors carried to the prediction
-  through its own finite differences);
+  each kind lies inside: one run of the truth inside the range of one run, and the truth's
+  expected throughput (the mean of ``--truth-seeds`` runs under seeds no prediction uses)
+  inside the expected value's range; where the fit pinned every parameter, compares each range
+  with the point's 2-sigma error band (the fitted parameters' standard errors carried to the
+  prediction through its own finite differences, beside the sampling spread of one run or of
+  the seeds' mean);
 * takes the measurement the tool suggests for the widest range, "measures" it on the truth,
-  fits again with it and reports how much the range narrowed; and the same for the one run it
+  fits again with it and reports how much each range narrowed; and the same for the one run it
   suggests (a measured configuration at one of its mixes, every metric kept that the published
   numbers left out: the same simulated run, as a bench that kept its whole report).
 
@@ -75,6 +78,7 @@ SHOWN = THROUGHPUTS + ("latency_s.embedding.p50", "latency_s.generation.p50")
 MEASURED = {"all": SHOWN, "throughputs": THROUGHPUTS}  # --measure: what each mix shows
 CO_SERVED = "orthrus"
 CHECKED = ("throughput_rps.embedding", "throughput_rps.generation")
+TRUTH_SEEDS = 64  # runs the truth's expected co-served throughput is averaged over
 
 
 def scenario_raw(calibration: Path = PRIOR, seed: int = 5) -> dict:
@@ -187,13 +191,18 @@ def recovered(result, truth: dict[str, float]) -> dict[str, bool]:
     return out
 
 
-def error_band(sc, mid, runs, result, metric: str, workers: int, spread: float,
-               noise: float = 0.0, prior: Path = PRIOR) -> float | None:
-    """The co-served prediction's 2-sigma band (relative full width): the fitted parameters'
-    covariance (the fit's Jacobian, the residuals' scatter or the stated spread, whichever is
-    larger) carried through the prediction's own finite differences, and the prediction's
-    sampling spread ``noise`` (an sd of its log) beside it. None unless every hidden parameter
-    was fitted."""
+def band(variance: float | None, noise: float) -> float | None:
+    """A 2-sigma band (relative full width) from the parameters' variance of a prediction's log
+    and a sampling spread ``noise`` (an sd of its log) beside it."""
+    return None if variance is None else 4 * math.sqrt(variance + noise ** 2)
+
+
+def error_variance(sc, mid, runs, result, metric: str, workers: int, spread: float,
+                   prior: Path = PRIOR) -> float | None:
+    """The variance of the co-served prediction's log that the fitted parameters' covariance
+    gives (the fit's Jacobian, the residuals' scatter or the stated spread, whichever is
+    larger), carried through the prediction's own finite differences. None unless every hidden
+    parameter was fitted."""
     params = result.parameters
     if any(params[n]["status"] != "fitted" for n in HIDDEN):
         return None
@@ -216,12 +225,26 @@ def error_band(sc, mid, runs, result, metric: str, workers: int, spread: float,
     if not values[0] or not all(values):
         return None
     grad = np.array([(math.log(v) - math.log(values[0])) / steps[i] for i, v in enumerate(values[1:])])
-    return 4 * math.sqrt(max(float(grad @ cov @ grad), 0.0) + noise ** 2)
+    return max(float(grad @ cov @ grad), 0.0)
+
+
+def expected_truth(raw_truth: dict, seeds: int) -> dict[str, float]:
+    """The truth's expected co-served throughputs at the middle mix: the geometric mean over
+    ``seeds`` runs under seeds that no prediction uses (the scenario's + 101...), what the
+    expected-value range claims to hold."""
+    first = raw_truth["seed"] + 101
+    logs: dict[str, list[float]] = {m: [] for m in CHECKED}
+    for s in range(first, first + seeds):
+        doc = measure_at(raw_truth, CO_SERVED, ["workload.generation_share=0.5", f"seed={s}"])
+        for m in CHECKED:
+            if _get(doc, m):
+                logs[m].append(math.log(_get(doc, m)))
+    return {m: math.exp(sum(v) / len(v)) for m, v in logs.items() if v}
 
 
 def one_seed(seed: int, workers: int, work: Path, spread: float,
              mixes: tuple[float, ...] = MIXES, shown: tuple[str, ...] = SHOWN,
-             setting: Setting = SETTINGS["cpu"]) -> dict:
+             setting: Setting = SETTINGS["cpu"], truth_seeds: int = TRUTH_SEEDS) -> dict:
     truth = hidden_truth(seed)
     raw_truth = setting.raw(truth_file({**truth, **FIXED}, work / f"truth-{seed}.json",
                                        setting.prior), seed)
@@ -234,7 +257,10 @@ def one_seed(seed: int, workers: int, work: Path, spread: float,
     mid = parse_scenario(mid_raw | {"configurations": [CO_SERVED]})
     ranges = [r for r in predict(mid, result.calibration, [CO_SERVED], workers) if r.metric in CHECKED]
     real = measure(raw_truth, CO_SERVED, 0.5)
+    expected = expected_truth(raw_truth, truth_seeds)
     inside = {r.metric: r.low * 0.999 <= _get(real, r.metric) <= r.high * 1.001 for r in ranges}
+    mean_inside = {r.metric: _within(r.mean_low, r.mean_high, expected.get(r.metric))
+                   for r in ranges}
     widest = max(ranges, key=lambda r: (r.parameter_width, r.width))
     row = {"seed": seed, "truth": truth, "fit_s": fit_s, "evaluations": result.evaluations,
            "status": {n: result.parameters[n]["status"] for n in HIDDEN},
@@ -242,23 +268,30 @@ def one_seed(seed: int, workers: int, work: Path, spread: float,
            "standard_error": {n: result.parameters[n].get("standard_error") for n in HIDDEN},
            "recovered": recovered(result, truth), "freed": sorted(freed(result)),
            "misfit": bool(result.misses),
-           "ranges": [r.as_dict() | {"truth": _get(real, r.metric)} for r in ranges],
-           "inside": inside, "widest": widest.metric, "width": widest.width,
+           "ranges": [r.as_dict() | {"truth": _get(real, r.metric),
+                                     "expected_truth": expected.get(r.metric)} for r in ranges],
+           "inside": inside, "mean_inside": mean_inside, "widest": widest.metric,
+           "width": widest.width, "mean_width": widest.mean_width,
            "parameter_width": widest.parameter_width, "sampling_sd": widest.noise,
            # mostly the prediction's own sampling spread: no measurement of the split halves it
            "sampling_bound": sampling_bound([widest], None) is not None}
-    band = error_band(sc, mid, runs, result, widest.metric, workers, spread, widest.noise,
-                      setting.prior)
-    row["band"] = band
+    variance = error_variance(sc, mid, runs, result, widest.metric, workers, spread,
+                              setting.prior)
+    row["band"] = band(variance, widest.noise)
+    row["mean_band"] = band(variance, widest.mean_noise)
 
     def narrowed_by(extra: list[MeasuredRun], key: str) -> None:
         """Fit again with ``extra`` measured on the truth; the widest range's metric again."""
         again = fit(sc, runs + extra, workers, FIXED, spread=spread)
         after = [r for r in predict(mid, again.calibration, [CO_SERVED], workers)
                  if r.metric == widest.metric][0]
+        row[f"{key}narrowed_range"] = after.as_dict()
         row[f"{key}narrowed_width"] = after.width
+        row[f"{key}narrowed_mean_width"] = after.mean_width
         row[f"{key}narrowed_parameter_width"] = after.parameter_width
-        row[f"{key}narrowed_inside"] = after.low * 0.999 <= _get(real, widest.metric) <= after.high * 1.001
+        row[f"{key}narrowed_inside"] = _within(after.low, after.high, _get(real, widest.metric))
+        row[f"{key}narrowed_mean_inside"] = _within(after.mean_low, after.mean_high,
+                                                    expected.get(widest.metric))
 
     tips = suggest(widest, result.calibration)
     if tips and widest.width > 0:
@@ -285,6 +318,11 @@ def one_seed(seed: int, workers: int, work: Path, spread: float,
     return row
 
 
+def _within(low: float | None, high: float | None, value: float | None) -> bool:
+    """``value`` inside ``low``..``high`` (0.1 % slack for the metrics' rounding)."""
+    return None not in (low, high, value) and low * 0.999 <= value <= high * 1.001
+
+
 def _cuts(rows: list[dict], prefix: str, width: str = "width") -> list[float]:
     """How much of each seed's widest range (``width``: whole, or ``parameter_width``) the
     measurement keyed ``prefix`` removed."""
@@ -298,9 +336,16 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
                         f"{setting.split} at "
                         f"{'/'.join(map(str, mixes))}, one mixed pool, {measured} measured; "
                         f"predicting Orthrus at 0.5)")
-    for col in ("seed", "truth e/d/oh/ov", "determined", "recovered", "inside", "widest", "width",
-                "2-sigma band", "suggested", "after", "run", "after run", "fit s"):
+    for col in ("seed", "truth e/d/oh/ov", "determined", "recovered", "inside (run/exp.)",
+                "widest", "width (run/exp.)", "2-sigma band", "suggested", "after", "run",
+                "after run", "fit s"):
         table.add_column(col, overflow="fold")
+
+    def pair(r: dict, key: str) -> str:
+        """One run's range width and the expected value's, as run/exp."""
+        run, exp = r.get(key), r.get(key.replace("width", "mean_width"))
+        return "-" if run is None else f"{run:.1%}/{exp:.1%}" if exp is not None else f"{run:.1%}"
+
     for r in rows:
         t = r["truth"]
         table.add_row(
@@ -310,18 +355,19 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
                      for n in r["recovered"]),
             "ok" if all(r["recovered"].values()) else "MISS " + ",".join(
                 n for n, ok in r["recovered"].items() if not ok),
-            "ok" if all(r["inside"].values()) else "OUT",
-            r["widest"].split(".")[-1], f"{r['width']:.1%}",
-            "-" if r["band"] is None else f"{r['band']:.1%}",
+            ("ok" if all(r["inside"].values()) else "OUT") + "/"
+            + ("ok" if all(r.get("mean_inside", {}).values()) else "OUT"),
+            r["widest"].split(".")[-1], pair(r, "width"),
+            "-" if r["band"] is None else f"{r['band']:.1%}/{r.get('mean_band') or 0:.1%}",
             (r["suggested"]["configuration"] + " " + r["suggested"]["metric"]
              + (f" ({r['suggested']['kind']})" if r["suggested"]["kind"] else "")
              + (f" @{r['suggested']['at'][0].split('=')[1]}" if r["suggested"]["at"] else ""))
             if "suggested" in r else "-",
-            f"{r['narrowed_width']:.1%}" if "narrowed_width" in r else "-",
+            pair(r, "narrowed_width"),
             (r["suggested_run"]["configuration"] + " @"
              + ";".join(a.split("=")[1] for a in r["suggested_run"]["at"]))
             if "suggested_run" in r else "-",
-            f"{r['run_narrowed_width']:.1%}" if "run_narrowed_width" in r else "-",
+            pair(r, "run_narrowed_width"),
             f"{r['fit_s']:.0f}")
     console.print(table)
     n = len(rows)
@@ -331,10 +377,15 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
     console.print(f"every parameter determined to 10 % recovered within 10 %: {rec}/{n} seeds "
                   f"({sum(len(r['recovered']) for r in rows)} parameters determined)")
     console.print(f"truth's co-served throughput (both kinds) inside the range: {covered}/{n}")
+    console.print(f"truth's expected co-served throughput (both kinds, mean of its runs under "
+                  f"other seeds) inside the expected value's range: "
+                  f"{sum(all(r['mean_inside'].values()) for r in rows)}/{n}")
     if pinned:
-        ratios = [r["width"] / r["band"] for r in pinned if r["band"]]
-        console.print(f"all four pinned in {len(pinned)}/{n}: range / 2-sigma band "
-                      f"median {np.median(ratios):.2f}, max {max(ratios):.2f}")
+        for what, width, of in (("range", "width", "band"),
+                                ("expected value's range", "mean_width", "mean_band")):
+            ratios = [r[width] / r[of] for r in pinned if r[of]]
+            console.print(f"all four pinned in {len(pinned)}/{n}: {what} / 2-sigma band "
+                          f"median {np.median(ratios):.2f}, max {max(ratios):.2f}")
     cut, cut_p = _cuts(rows, ""), _cuts(rows, "", "parameter_width")
     console.print(f"the suggested measurement narrowed the widest range by >= 50 %: "
                   f"{sum(c >= 0.5 for c in cut)}/{n}"
@@ -348,14 +399,23 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
             f"{np.median(run_cut):.0%}; its parameters' part by >= 50 %: "
             f"{sum(c >= 0.5 for c in run_cut_p)}/{len(run_cut_p)}; the truth still inside in "
             f"{sum(bool(r.get('run_narrowed_inside')) for r in rows)}/{len(run_cut)})")
+    for prefix, what in (("", "measurement"), ("run_", "run")):
+        cut_m = _cuts(rows, prefix, "mean_width")
+        if cut_m:
+            console.print(
+                f"the suggested {what} narrowed the expected value's range by >= 50 %: "
+                f"{sum(c >= 0.5 for c in cut_m)}/{n} (median {np.median(cut_m):.0%}; the truth's "
+                f"expected throughput still inside in "
+                f"{sum(bool(r.get(prefix + 'narrowed_mean_inside')) for r in rows)}/{len(cut_m)})")
     bound = sum(bool(r.get("sampling_bound")) for r in rows)
     console.print(f"the widest range mostly the prediction's own sampling spread (its parameters' "
                   f"part under half its width; `predict` names it): {bound}/{n}")
     if cut_p:
         console.print(f"its parameters' part (no sampling spread) by >= 50 %: "
                       f"{sum(c >= 0.5 for c in cut_p)}/{len(cut_p)} (median {np.median(cut_p):.0%})")
-    widths = [r["width"] for r in rows]
-    console.print(f"widest range: median {np.median(widths):.1%}, max {max(widths):.1%}; "
+    widths, means = [r["width"] for r in rows], [r["mean_width"] for r in rows]
+    console.print(f"widest range: median {np.median(widths):.1%}, max {max(widths):.1%}; its "
+                  f"expected value's range median {np.median(means):.1%}, max {max(means):.1%}; "
                   f"sampling sd median {np.median([r.get('sampling_sd', 0) for r in rows]):.1%}")
     console.print(f"fit time: median {np.median([r['fit_s'] for r in rows]):.0f} s, "
                   f"simulations median {np.median([r['evaluations'] for r in rows]):.0f}")
@@ -375,6 +435,8 @@ def main() -> None:
     ap.add_argument("--setting", choices=tuple(SETTINGS), default="cpu",
                     help="cpu: the case in miniature (fast); paper: the issue's own case, the "
                     "A100 mix sweep's 512 clients in one pool, Dedicated-1:3 measured")
+    ap.add_argument("--truth-seeds", type=int, default=TRUTH_SEEDS, help="runs of the truth "
+                    "its expected co-served throughput is averaged over")
     ap.add_argument("--out", type=Path, default=None, help="folder for fit_ranges.json")
     args = ap.parse_args()
     try:
@@ -383,13 +445,16 @@ def main() -> None:
         ap.error(f"--mixes: expected generation shares such as 0.1,0.5,0.9, got {args.mixes!r}")
     if not mixes or not all(0 < m < 1 for m in mixes):
         ap.error(f"--mixes: each share must lie in (0, 1), got {args.mixes!r}")
+    if args.truth_seeds < 2:
+        ap.error(f"--truth-seeds: at least 2 runs to average, got {args.truth_seeds}")
     console = Console()
     rows = []
     with tempfile.TemporaryDirectory() as tmp, Progress(console=console, transient=True) as bar:
         task = bar.add_task("seeds", total=args.seeds)
         for seed in range(args.first, args.first + args.seeds):
             rows.append(one_seed(seed, args.workers, Path(tmp), args.spread, mixes,
-                                 MEASURED[args.measure], SETTINGS[args.setting]))
+                                 MEASURED[args.measure], SETTINGS[args.setting],
+                                 args.truth_seeds))
             bar.update(task, advance=1)
     report(rows, console, mixes, args.measure, SETTINGS[args.setting])
     if args.out:

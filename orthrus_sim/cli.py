@@ -31,6 +31,8 @@ def _format(fmt: str) -> str:
 
 
 SCENARIO_HELP = "scenario YAML file, or the name of a shipped scenario (quickstart, mix_sweep, ...)"
+SEEDS_HELP = ("other seeds each predicted configuration runs under (default 16): the sampling "
+              "spread of one run, and of the expected value, which more seeds narrow")
 
 
 @app.command()
@@ -202,6 +204,7 @@ def fit(
                                  "spread; sets the standard-error floor and the ranges' width"),
     predict_: str = typer.Option(None, "--predict", help="then predict these configurations "
                                  "(comma-separated) with the fit's ranges, as orthrus-sim predict"),
+    seeds: int | None = typer.Option(None, "--seeds", help=SEEDS_HELP),
     workers: int = typer.Option(0, help="parallel simulations (0: one per CPU)"),
     fmt: str = typer.Option("table", "--format", help="table | json"),
 ) -> None:
@@ -230,6 +233,7 @@ def fit(
         sc = load_scenario(scenario, set_)
         if not 0 < spread < 1:
             fail(f"--spread must be in (0, 1), got {spread}")
+        _check_seeds(seeds)
         overrides = [[] if a.strip() == "-" else [o.strip() for o in a.split(";") if o.strip()]
                      for a in at]
         runs = load_measured(measured, metrics, overrides or None)
@@ -244,7 +248,8 @@ def fit(
                              progress=lambda msg: status.update(f"fitting: {msg}"),
                              spread=spread)
         save_calibration(result.calibration, out)
-        predictions = _predictions(sc, result.calibration, configs, workers) if configs else None
+        predictions = (_predictions(sc, result.calibration, configs, workers, seeds)
+                       if configs else None)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:
@@ -269,16 +274,23 @@ def _configurations(value: str, flag: str) -> list[str]:
     return configs
 
 
-def _predictions(sc, cal, configs: list[str], workers: int) -> tuple[list, list, list]:
+def _check_seeds(seeds: int | None) -> None:
+    if seeds is not None and seeds < 1:
+        fail(f"--seeds must be at least 1 (a spread needs two samples), got {seeds}")
+
+
+def _predictions(sc, cal, configs: list[str], workers: int,
+                 seeds: int | None = None) -> tuple[list, list, list]:
     """The configurations' ranges under ``cal``, and what to measure next for the widest: the
     single metrics, and the one run that would remove most."""
     import os
 
+    from orthrus_sim.ranges import SEEDS, suggest, suggest_run
     from orthrus_sim.ranges import predict as run_predict
-    from orthrus_sim.ranges import suggest, suggest_run
 
     with console.status("predicting ..."):
-        ranges = run_predict(sc, cal, configs, workers or os.cpu_count() or 1)
+        ranges = run_predict(sc, cal, configs, workers or os.cpu_count() or 1,
+                             seeds=SEEDS if seeds is None else seeds)
     widest = _widest(ranges)
     if widest is None:
         return ranges, [], []
@@ -309,23 +321,31 @@ def _print_predictions(name: str, source: str, cal, ranges: list, nexts: list, r
     from orthrus_sim.ranges import sampling_bound
 
     table = Table(title=f"{name}: predictions with ranges ({escape(source)})")
-    for col in ("configuration", "metric", "point", "low", "high", "low end", "high end",
-                "sampling sd"):
+    for col in ("configuration", "metric", "point", "low", "high", "expected", "low end",
+                "high end", "sampling sd"):
         table.add_column(col, overflow="fold")
     for r in ranges:
+        expected = (f"{r.mean:.4g} ({r.mean_low:.4g}..{r.mean_high:.4g})"
+                    if r.mean is not None and r.mean_low is not None else "-")
         table.add_row(r.configuration, r.metric, f"{r.point:.4g}", f"{r.low:.4g}",
-                      f"{r.high:.4g}", r.low_end or "-", r.high_end or "-", f"{r.noise:.1%}")
-    table.caption = ("low/high: the parameters' extremes (the end that gives each) widened by "
-                     "2 sampling sd (the point under other seeds), in quadrature")
+                      f"{r.high:.4g}", expected, r.low_end or "-", r.high_end or "-",
+                      f"{r.noise:.1%}")
+    seeds = max((r.samples for r in ranges), default=1)
+    table.caption = ("low/high: where one run of the window lands: the parameters' extremes (the "
+                     "end that gives each) widened by 2 sampling sd (the point under other seeds), "
+                     f"in quadrature; expected: the mean over {seeds} seeds and its range, the "
+                     "same extremes widened by 2 sd of that mean (what many runs average to)")
     if not (cal.factor_fit and cal.factor_fit.range_ends):
-        table.caption = "this calibration has no fitted ranges: the sampling spread only"
+        table.caption = ("this calibration has no fitted ranges: low/high the spread of one run "
+                         f"(2 sd), expected the mean over {seeds} seeds with 2 sd of that mean")
     console.print(table)
     widest = _widest(ranges)
     for s in nexts:
         where = f" at {'; '.join(s.at)}" if s.at else ""
         of = f" of its {s.kind} servers (bench --only {s.kind})" if s.kind else ""
         console.print(f"measure next: {s.configuration}{where} {s.metric}{of} (would remove "
-                      f"~{s.removes:.0%} of the {widest.configuration} {widest.metric} range)",
+                      f"~{s.removes:.0%} of the {widest.configuration} {widest.metric} "
+                      f"expected range)",
                       highlight=False, markup=False)
     best = max((s.removes for s in nexts), default=0.0)
     for run in runs:
@@ -347,7 +367,8 @@ def _print_predictions(name: str, source: str, cal, ranges: list, nexts: list, r
             f"mostly the prediction's own sampling spread (sd {bound.sampling_sd:.1%} over "
             f"a {window} window; the parameters' part {bound.parameter_width:.0%}): no measurement "
             f"of the fit's configurations narrows that part; a window 4x as long ({field}) "
-            f"would about halve it",
+            f"would about halve it (the expected value's range, over {bound.seeds} seeds, is "
+            f"{bound.mean_width:.0%} wide; more --seeds narrow its sampling part)",
             highlight=False, markup=False)
 
 
@@ -359,6 +380,7 @@ def predict(
     configurations: str = typer.Option(..., "--configurations", help="comma-separated, e.g. "
                                        "orthrus,dedicated-1:1"),
     set_: list[str] = typer.Option([], "--set", help="override a scenario field: section.key=value"),
+    seeds: int | None = typer.Option(None, "--seeds", help=SEEDS_HELP),
     workers: int = typer.Option(0, help="parallel simulations (0: one per CPU)"),
     fmt: str = typer.Option("table", "--format", help="table | json"),
 ) -> None:
@@ -370,10 +392,12 @@ def predict(
     if fmt not in ("table", "json"):
         fail(f"--format must be table or json, got {fmt!r}")
     try:
+        _check_seeds(seeds)
         sc = load_scenario(scenario, set_)
         cal = load_calibration(calibration)
         ranges, nexts, runs = _predictions(sc, cal, _configurations(configurations,
-                                                                     "--configurations"), workers)
+                                                                     "--configurations"),
+                                           workers, seeds)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:

@@ -40,7 +40,9 @@ from orthrus_sim.experiment.results import _get
 from orthrus_sim.experiment.scenario import Scenario
 
 Z = 2.0  # ends at a 2-sigma move of one parameter
-SEEDS = 4  # other seeds each predicted configuration runs with: the prediction's sampling spread
+SEEDS = 64  # other seeds a predicted configuration runs under at most: its spread and its mean
+FIRST_SEEDS = 8  # ... at least (more while its mean's spread hides the parameters' part)
+PRECISION = 0.01  # a mean's 2-sd spread (of its log) that needs no more seeds
 BISECT = 3  # halvings towards an undetermined parameter's farthest allowed value
 REFIT_STEPS = 2  # Gauss-Newton steps on a fresh Jacobian for a trial still past the budget
 SHRINK = 1.5  # a simulated end this far above the allowed growth is pulled in once
@@ -282,11 +284,27 @@ class Range:
     high_end: str | None
     values: list[float | None] = field(default_factory=list)  # at each end, in the fit's order
     noise: float = 0.0  # the point's sampling spread: sd of its log over other seeds
+    samples: int = 1  # the seeds ``noise`` and ``mean`` come from (the point's among them)
+    mean: float | None = None  # the expected value: the geometric mean over those seeds
+    mean_low: float | None = None  # the expected value's range (``predict``)
+    mean_high: float | None = None
 
     @property
     def width(self) -> float:
-        """The range's width relative to the point."""
+        """The range's width relative to the point: where one run of the window lands."""
         return (self.high - self.low) / self.point if self.point else math.inf
+
+    @property
+    def mean_noise(self) -> float:
+        """The sampling spread of ``mean``: the seeds' sd over the root of their number."""
+        return self.noise / math.sqrt(self.samples)
+
+    @property
+    def mean_width(self) -> float:
+        """The expected value's range relative to ``mean`` (a range without seeds: ``width``)."""
+        if self.mean is None or self.mean_low is None or self.mean_high is None:
+            return self.width
+        return (self.mean_high - self.mean_low) / self.mean if self.mean else math.inf
 
     @property
     def parameter_width(self) -> float:
@@ -299,7 +317,10 @@ class Range:
         return {"configuration": self.configuration, "metric": self.metric, "point": self.point,
                 "low": self.low, "high": self.high, "low_end": self.low_end,
                 "high_end": self.high_end, "relative_width": self.width,
-                "parameter_width": self.parameter_width, "sampling_sd": self.noise}
+                "parameter_width": self.parameter_width, "sampling_sd": self.noise,
+                "seeds": self.samples, "mean": self.mean, "mean_low": self.mean_low,
+                "mean_high": self.mean_high, "mean_relative_width": self.mean_width,
+                "mean_sampling_sd": self.mean_noise}
 
 
 def predict(scenario: Scenario, calibration: CalibrationFile, configurations: list[str],
@@ -310,44 +331,100 @@ def predict(scenario: Scenario, calibration: CalibrationFile, configurations: li
     ranges gives points only).
 
     A prediction is also one sample: other requests, another interleaving, a closed loop's
-    completions counted in a finite window. So the point is simulated again under ``seeds``
-    other seeds; the spread of its log there (``noise``, an sd) widens each side of the range,
-    added in quadrature to the parameters' move at ``Z`` sigma (the two are independent). A
-    measurement of the same window is such a sample too: a range without it covers the
-    parameters' uncertainty and not the run's."""
+    completions counted in a finite window. So the point is simulated again under other seeds;
+    the spread of its log there (``noise``, an sd) widens each side of the range, added in
+    quadrature to the parameters' move at ``Z`` sigma (the two are independent). A measurement
+    of the same window is such a sample too: a range without it covers the parameters'
+    uncertainty and not the run's. ``low``..``high`` is where one run of the scenario's window
+    lands; ``mean_low``..``mean_high`` is the expected value (what many runs, or a long one,
+    average to): the parameters' extremes moved with the seeds' mean, widened by that mean's
+    own spread (``noise`` over the root of the seeds' number), which more seeds narrow and no
+    measurement does. So after ``FIRST_SEEDS`` other seeds a configuration runs under as many
+    more (``seeds`` in all at most) as its metrics need for that spread to be at most half the
+    parameters' move on either side, or ``PRECISION``."""
     ends = calibration.factor_fit.range_ends if calibration.factor_fit else []
     point = calibration.cost_factors() or CostFactors()
     batch = [point] + [CostFactors(**e.factors) for e in ends]
     cases = [((), c) for c in configurations]
-    others = [((f"seed={scenario.seed + i}",), c) for c in configurations
-              for i in range(1, seeds + 1)]
     with tempfile.TemporaryDirectory(prefix="orthrus-predict-") as tmp:
         with Simulations(scenario, calibration, cases, workers, Path(tmp)) as sims:
             docs = sims.simulate(batch)
-        again = {}
-        if others:
-            with Simulations(scenario, calibration, others, workers, Path(tmp)) as sims:
-                again = sims.simulate([point])[0]
+        first = min(FIRST_SEEDS, seeds)
+        samples = _seed_runs(scenario, calibration, point, {c: range(1, first + 1)
+                                                             for c in configurations},
+                             workers, Path(tmp))
+        extremes = {(c, m): _extremes(ends, docs, ((), c), m) for c in configurations
+                    for m in metrics}
+        wanted = {c: max((_seeds_needed(samples[c], m, extremes[c, m]) for m in metrics),
+                         default=0) for c in configurations}
+        more = _seed_runs(scenario, calibration, point,
+                          {c: range(first + 1, min(n, seeds) + 1) for c, n in wanted.items()},
+                          workers, Path(tmp))
     out = []
     for case in cases:
+        c = case[1]
         for metric in metrics:
-            at = _get(docs[0][case], metric)
-            if not at:
+            if extremes[c, metric] is None:
                 continue
-            values = [_get(d[case], metric) for d in docs[1:]]
-            low, high, low_end, high_end = at, at, None, None
-            for e, v in zip(ends, values):
-                if v is None:
-                    continue
-                if v < low:
-                    low, low_end = v, end_label(e)
-                if v > high:
-                    high, high_end = v, end_label(e)
-            samples = [at] + [_get(again[o], metric) for o in others if o[1] == case[1]]
-            noise = _log_sd([v for v in samples if v])
+            at, low, high, low_end, high_end, values = extremes[c, metric]
+            seen = [at] + [v for doc in samples[c] + more.get(c, [])
+                           if (v := _get(doc, metric))]
+            noise = _log_sd(seen)
+            mean = math.exp(sum(math.log(v) for v in seen) / len(seen))
+            mean_low, mean_high = _widened(mean, mean * low / at, mean * high / at,
+                                           noise / math.sqrt(len(seen)))
             low, high = _widened(at, low, high, noise)
-            out.append(Range(case[1], metric, at, low, high, low_end, high_end, values, noise))
+            out.append(Range(c, metric, at, low, high, low_end, high_end, values, noise,
+                             len(seen), mean, mean_low, mean_high))
     return out
+
+
+def _extremes(ends: list[RangeEndModel], docs: list[dict], case: tuple, metric: str):
+    """(point, low, high, low end, high end, each end's value) of one metric over the ends'
+    simulations (``docs[0]`` the point), or None where the point has no value."""
+    at = _get(docs[0][case], metric)
+    if not at:
+        return None
+    values = [_get(d[case], metric) for d in docs[1:]]
+    low, high, low_end, high_end = at, at, None, None
+    for e, v in zip(ends, values):
+        if v is None:
+            continue
+        if v < low:
+            low, low_end = v, end_label(e)
+        if v > high:
+            high, high_end = v, end_label(e)
+    return at, low, high, low_end, high_end, values
+
+
+def _seed_runs(scenario: Scenario, calibration: CalibrationFile, point: CostFactors,
+               seeds: dict[str, range], workers: int, tmp: Path) -> dict[str, list[dict]]:
+    """Each configuration's results at ``point`` under the scenario's seed + each of its
+    ``seeds`` offsets."""
+    cases = [((f"seed={scenario.seed + i}",), c) for c, offsets in seeds.items() for i in offsets]
+    out: dict[str, list[dict]] = {c: [] for c in seeds}
+    if not cases:
+        return out
+    with Simulations(scenario, calibration, cases, workers, tmp) as sims:
+        docs = sims.simulate([point])[0]
+    for case in cases:
+        out[case[1]].append(docs[case])
+    return out
+
+
+def _seeds_needed(runs: list[dict], metric: str, extremes) -> int:
+    """Other seeds the mean of ``metric`` needs for its 2-sd spread to be at most half the
+    parameters' smaller nonzero move, or ``PRECISION`` (``runs``: its runs so far, the point's
+    excluded)."""
+    if extremes is None:
+        return 0
+    at, low, high = extremes[:3]
+    seen = [at] + [v for doc in runs if (v := _get(doc, metric))]
+    noise = _log_sd(seen)
+    moves = [m for m in (math.log(at / low) if low > 0 else math.inf, math.log(high / at))
+             if m > 0]
+    allowed = max(min(moves, default=0.0) / 2, PRECISION)
+    return math.ceil((Z * noise / allowed) ** 2) - 1
 
 
 def end_label(end: RangeEndModel) -> str:
@@ -359,6 +436,8 @@ def _widened(point: float, low: float, high: float, noise: float) -> tuple[float
     """The parameters' extremes with the sampling spread added in quadrature on each side."""
     if not noise or point <= 0:
         return low, high
+    if low <= 0:  # an end with none of it: no spread widens nothing
+        return low, point * math.exp(math.hypot(math.log(high / point), Z * noise))
     return (point * math.exp(-math.hypot(math.log(point / low), Z * noise)),
             point * math.exp(math.hypot(math.log(high / point), Z * noise)))
 
@@ -381,7 +460,7 @@ class Suggestion:
     metric: str
     kind: str | None
     value: float | None  # simulated at the fit
-    removes: float  # share of the range's width it would remove
+    removes: float  # share of the expected value's range it would remove
 
     def as_dict(self) -> dict:
         return {"configuration": self.configuration, "at": self.at, "metric": self.metric,
@@ -401,6 +480,8 @@ class SamplingBound:
     parameter_width: float  # relative, the parameters' part
     sampling_sd: float
     duration_s: float | None  # the measurement window (None: the run goes to its last request)
+    mean_width: float = 0.0  # relative, the expected value's range (its spread: more seeds)
+    seeds: int = 1
 
     @property
     def sampling_width(self) -> float:
@@ -411,7 +492,8 @@ class SamplingBound:
         return {"configuration": self.configuration, "metric": self.metric,
                 "relative_width": self.width, "parameter_width": self.parameter_width,
                 "sampling_sd": self.sampling_sd, "sampling_width": self.sampling_width,
-                "duration_s": self.duration_s}
+                "duration_s": self.duration_s, "mean_relative_width": self.mean_width,
+                "seeds": self.seeds}
 
 
 def sampling_bound(ranges: list[Range], duration_s: float | None) -> SamplingBound | None:
@@ -422,15 +504,16 @@ def sampling_bound(ranges: list[Range], duration_s: float | None) -> SamplingBou
     if widest is None or widest.width <= 0 or widest.parameter_width >= 0.5 * widest.width:
         return None
     return SamplingBound(widest.configuration, widest.metric, widest.width,
-                         widest.parameter_width, widest.noise, duration_s)
+                         widest.parameter_width, widest.noise, duration_s, widest.mean_width,
+                         widest.samples)
 
 
 def _removal(widest: Range, fit_doc, picked: list[int]) -> float:
-    """The share of ``widest``'s width that measuring the candidates ``picked`` (indices into
-    the fit's candidates) would remove, were each measured at the fit's simulated value: at
-    every end, each new metric's log distance from that value adds to the misfit growth, and
-    the end moves back along its path until the growth is within the budget again (growth
-    taken as quadratic along the path); the prediction's sampling spread is added back as
+    """The share of ``widest``'s expected-value range (``mean_width``) that measuring the
+    candidates ``picked`` (indices into the fit's candidates) would remove, were each measured
+    at the fit's simulated value: at every end, each new metric's log distance from that value
+    adds to the misfit growth, and the end moves back along its path until the growth is within
+    the budget again (growth taken as quadratic along the path); the mean's sampling spread is added back as
     ``predict`` adds it (no measurement of the fit removes it)."""
     budget = (Z * fit_doc.spread) ** 2
     moved = [widest.point]
@@ -444,8 +527,10 @@ def _removal(widest: Range, fit_doc, picked: list[int]) -> float:
             grown += math.log(c / value) ** 2 if c and value else 1.0
         t = 1.0 if grown <= budget else math.sqrt(budget / grown)
         moved.append(widest.point + t * (v - widest.point))
-    low, high = _widened(widest.point, min(moved), max(moved), widest.noise)
-    return 1 - (high - low) / (widest.high - widest.low)
+    everywhere = [widest.point] + [v for v in widest.values if v is not None]
+    low, high = _widened(widest.point, min(moved), max(moved), widest.mean_noise)
+    low_now, high_now = _widened(widest.point, min(everywhere), max(everywhere), widest.mean_noise)
+    return 1 - (high - low) / (high_now - low_now) if high_now > low_now else 0.0
 
 
 def _can_narrow(widest: Range, calibration: CalibrationFile) -> bool:
@@ -481,7 +566,7 @@ class RunSuggestion:
     configuration: str
     at: list[str]
     metrics: list[Suggestion]  # each metric the run adds, with its own removal alone
-    removes: float  # share of the range's width the whole run would remove
+    removes: float  # share of the expected value's range the whole run would remove
 
     def as_dict(self) -> dict:
         return {"configuration": self.configuration, "at": self.at, "removes": self.removes,

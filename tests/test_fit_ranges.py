@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -178,11 +180,47 @@ def test_a_prediction_range_carries_its_own_sampling_spread(tmp_path):
         assert s.point == p.point  # the point is still the scenario's own seed
         assert s.noise > 0 and s.low < s.point < s.high, s.metric
         assert s.high / s.point == pytest.approx(s.point / s.low)  # no ends: symmetric in log
+        # the expected value: the mean of the 4 runs, its spread the sd over the root of 4
+        assert s.samples == 4 and s.mean_noise == pytest.approx(s.noise / 2)
+        assert s.mean_low < s.mean < s.mean_high and s.low < s.mean < s.high
+        assert s.mean_high / s.mean == pytest.approx(math.exp(2 * s.noise / 2))
+        assert s.mean_width < s.width
     low, high = _widened(10.0, 9.0, 10.5, 0.02)
     assert low < 9.0 and high > 10.5
     assert _widened(10.0, 9.0, 10.5, 0.0) == (9.0, 10.5)
+    assert _widened(10.0, 0.0, 10.5, 0.02)[0] == 0.0  # an end with none of the kind
     r = Range("orthrus", "throughput_rps.embedding", 10.0, 8.0, 12.0, None, None, [9.5, 10.2], 0.05)
     assert r.parameter_width == pytest.approx(0.07) and r.width == pytest.approx(0.4)
+
+
+def test_the_expected_value_runs_more_seeds_until_its_spread_is_under_the_parameters_part(
+        tmp_path):
+    """The expected value's range is the parameters' extremes widened by its mean's spread (the
+    seeds' sd over the root of their number): ``predict`` adds seeds until that spread is at
+    most half the parameters' smaller move, or 1 %, never past ``seeds``; a run's range keeps
+    the spread of one run."""
+    from orthrus_sim.ranges import FIRST_SEEDS, _seeds_needed, predict
+
+    runs = [{"throughput_rps": {"embedding": v}} for v in (9.5, 10.5, 9.6, 10.4)]
+    spread = [10.0, 9.5, 10.5, 9.6, 10.4]
+    sd = float(np.std(np.log(spread), ddof=1))
+    metric = "throughput_rps.embedding"
+    # parameters moving 20 % each way leave room for a spread of 10 %: few seeds
+    wide = _seeds_needed(runs, metric, (10.0, 10.0 / math.exp(0.2), 10.0 * math.exp(0.2)))
+    assert wide == math.ceil((2 * sd / 0.1) ** 2) - 1
+    # 2 % on the near side: the spread must fall to 1 %, the floor
+    narrow = _seeds_needed(runs, metric, (10.0, 10.0 / math.exp(0.02), 10.0 * math.exp(0.3)))
+    assert narrow == math.ceil((2 * sd / 0.01) ** 2) - 1 and narrow > wide
+    assert _seeds_needed(runs, metric, (10.0, 10.0, 10.0)) == narrow  # a point: the floor
+    assert _seeds_needed(runs, metric, None) == 0
+    # a calibration without ranges runs to its cap, past the first seeds
+    cal_path = with_factors(tmp_path, embedding_scale=1.2)
+    sc = parse_scenario(scenario_raw(cal_path))
+    r = predict(sc, load_calibration(cal_path), ["dedicated-1:1"], 2, (metric,),
+                seeds=FIRST_SEEDS + 4)[0]
+    assert r.samples == FIRST_SEEDS + 5
+    assert r.mean_noise == pytest.approx(r.noise / math.sqrt(FIRST_SEEDS + 5))
+    assert r.mean_width < r.width / 3
 
 
 def test_a_range_end_on_a_bound_stays_inside_it():
@@ -228,9 +266,16 @@ def test_a_range_that_is_mostly_sampling_spread_is_named_with_what_narrows_it(tm
     doc = report_of(res.output)["sampling_bound"]
     assert doc["parameter_width"] == 0.0 and doc["sampling_sd"] > 0
     assert doc["duration_s"] == raw["duration_s"] - raw.get("warmup_s", 0)
+    ranges = report_of(res.output)["ranges"]
+    assert ranges and all(r["seeds"] > 1 and r["mean_low"] < r["mean"] < r["mean_high"]
+                          and r["mean_relative_width"] < r["relative_width"] for r in ranges)
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
-    assert "mostly the prediction's own sampling spread" in " ".join(res.output.split())
+    text = " ".join(res.output.split())
+    assert "mostly the prediction's own sampling spread" in text
+    assert "expected value's range" in text and "more --seeds" in text
+    res = CliRunner().invoke(app, args + ["--seeds", "0"])
+    assert res.exit_code != 0 and "--seeds" in res.output and "Traceback" not in res.output
 
 
 class _LValley:
