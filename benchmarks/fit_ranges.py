@@ -258,7 +258,7 @@ def one_seed(seed: int, workers: int, work: Path, spread: float,
     ranges = [r for r in predict(mid, result.calibration, [CO_SERVED], workers) if r.metric in CHECKED]
     real = measure(raw_truth, CO_SERVED, 0.5)
     expected = expected_truth(raw_truth, truth_seeds)
-    inside = {r.metric: r.low * 0.999 <= _get(real, r.metric) <= r.high * 1.001 for r in ranges}
+    inside = {r.metric: _within(r.low, r.high, _get(real, r.metric)) for r in ranges}
     mean_inside = {r.metric: _within(r.mean_low, r.mean_high, expected.get(r.metric))
                    for r in ranges}
     widest = max(ranges, key=lambda r: (r.parameter_width, r.width))
@@ -356,9 +356,9 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
             "ok" if all(r["recovered"].values()) else "MISS " + ",".join(
                 n for n, ok in r["recovered"].items() if not ok),
             ("ok" if all(r["inside"].values()) else "OUT") + "/"
-            + ("ok" if all(r.get("mean_inside", {}).values()) else "OUT"),
+            + ("ok" if all(r["mean_inside"].values()) else "OUT"),
             r["widest"].split(".")[-1], pair(r, "width"),
-            "-" if r["band"] is None else f"{r['band']:.1%}/{r.get('mean_band') or 0:.1%}",
+            "-" if r["band"] is None else f"{r['band']:.1%}/{r['mean_band']:.1%}",
             (r["suggested"]["configuration"] + " " + r["suggested"]["metric"]
              + (f" ({r['suggested']['kind']})" if r["suggested"]["kind"] else "")
              + (f" @{r['suggested']['at'][0].split('=')[1]}" if r["suggested"]["at"] else ""))

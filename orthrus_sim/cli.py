@@ -31,8 +31,9 @@ def _format(fmt: str) -> str:
 
 
 SCENARIO_HELP = "scenario YAML file, or the name of a shipped scenario (quickstart, mix_sweep, ...)"
-SEEDS_HELP = ("other seeds each predicted configuration runs under (default 16): the sampling "
-              "spread of one run, and of the expected value, which more seeds narrow")
+SEEDS_HELP = ("at most this many other seeds each predicted configuration runs under (default "
+              "64: 8, then as many as the expected value's spread needs): the spread of one "
+              "run, and of the expected value, which more seeds narrow")
 
 
 @app.command()
@@ -330,14 +331,16 @@ def _print_predictions(name: str, source: str, cal, ranges: list, nexts: list, r
         table.add_row(r.configuration, r.metric, f"{r.point:.4g}", f"{r.low:.4g}",
                       f"{r.high:.4g}", expected, r.low_end or "-", r.high_end or "-",
                       f"{r.noise:.1%}")
-    seeds = max((r.samples for r in ranges), default=1)
+    counted = (f"{min(r.samples for r in ranges)}-{max(r.samples for r in ranges)}"
+               if ranges else "0")
     table.caption = ("low/high: where one run of the window lands: the parameters' extremes (the "
                      "end that gives each) widened by 2 sampling sd (the point under other seeds), "
-                     f"in quadrature; expected: the mean over {seeds} seeds and its range, the "
-                     "same extremes widened by 2 sd of that mean (what many runs average to)")
+                     f"in quadrature; expected: the geometric mean of {counted} runs under other "
+                     "seeds and its range, the same extremes widened by 2 sd of that mean (what "
+                     "many runs average to)")
     if not (cal.factor_fit and cal.factor_fit.range_ends):
         table.caption = ("this calibration has no fitted ranges: low/high the spread of one run "
-                         f"(2 sd), expected the mean over {seeds} seeds with 2 sd of that mean")
+                         f"(2 sd), expected the geometric mean of {counted} runs with 2 sd of it")
     console.print(table)
     widest = _widest(ranges)
     for s in nexts:
@@ -367,7 +370,7 @@ def _print_predictions(name: str, source: str, cal, ranges: list, nexts: list, r
             f"mostly the prediction's own sampling spread (sd {bound.sampling_sd:.1%} over "
             f"a {window} window; the parameters' part {bound.parameter_width:.0%}): no measurement "
             f"of the fit's configurations narrows that part; a window 4x as long ({field}) "
-            f"would about halve it (the expected value's range, over {bound.seeds} seeds, is "
+            f"would about halve it (the expected value's range, over {bound.runs} runs, is "
             f"{bound.mean_width:.0%} wide; more --seeds narrow its sampling part)",
             highlight=False, markup=False)
 

@@ -284,8 +284,8 @@ class Range:
     high_end: str | None
     values: list[float | None] = field(default_factory=list)  # at each end, in the fit's order
     noise: float = 0.0  # the point's sampling spread: sd of its log over other seeds
-    samples: int = 1  # the seeds ``noise`` and ``mean`` come from (the point's among them)
-    mean: float | None = None  # the expected value: the geometric mean over those seeds
+    samples: int = 1  # the runs ``noise`` and ``mean`` come from (the point's among them)
+    mean: float | None = None  # the expected value: the geometric mean over those runs
     mean_low: float | None = None  # the expected value's range (``predict``)
     mean_high: float | None = None
 
@@ -318,7 +318,7 @@ class Range:
                 "low": self.low, "high": self.high, "low_end": self.low_end,
                 "high_end": self.high_end, "relative_width": self.width,
                 "parameter_width": self.parameter_width, "sampling_sd": self.noise,
-                "seeds": self.samples, "mean": self.mean, "mean_low": self.mean_low,
+                "runs": self.samples, "mean": self.mean, "mean_low": self.mean_low,
                 "mean_high": self.mean_high, "mean_relative_width": self.mean_width,
                 "mean_sampling_sd": self.mean_noise}
 
@@ -337,11 +337,11 @@ def predict(scenario: Scenario, calibration: CalibrationFile, configurations: li
     of the same window is such a sample too: a range without it covers the parameters'
     uncertainty and not the run's. ``low``..``high`` is where one run of the scenario's window
     lands; ``mean_low``..``mean_high`` is the expected value (what many runs, or a long one,
-    average to): the parameters' extremes moved with the seeds' mean, widened by that mean's
-    own spread (``noise`` over the root of the seeds' number), which more seeds narrow and no
-    measurement does. So after ``FIRST_SEEDS`` other seeds a configuration runs under as many
-    more (``seeds`` in all at most) as its metrics need for that spread to be at most half the
-    parameters' move on either side, or ``PRECISION``."""
+    average to; the geometric mean of the runs): the parameters' extremes moved with it,
+    widened by that mean's own spread (``noise`` over the root of the runs' number), which more
+    seeds narrow and no measurement does. So after ``FIRST_SEEDS`` other seeds a configuration
+    runs under as many more (``seeds`` in all at most) as its metrics need for that spread to
+    be at most half the parameters' move on either side, or ``PRECISION``."""
     ends = calibration.factor_fit.range_ends if calibration.factor_fit else []
     point = calibration.cost_factors() or CostFactors()
     batch = [point] + [CostFactors(**e.factors) for e in ends]
@@ -350,13 +350,11 @@ def predict(scenario: Scenario, calibration: CalibrationFile, configurations: li
         with Simulations(scenario, calibration, cases, workers, Path(tmp)) as sims:
             docs = sims.simulate(batch)
         first = min(FIRST_SEEDS, seeds)
-        samples = _seed_runs(scenario, calibration, point, {c: range(1, first + 1)
-                                                             for c in configurations},
-                             workers, Path(tmp))
+        seed_docs = _seed_runs(scenario, calibration, point,
+                               {c: range(1, first + 1) for c in configurations}, workers, Path(tmp))
         extremes = {(c, m): _extremes(ends, docs, ((), c), m) for c in configurations
                     for m in metrics}
-        wanted = {c: max((_seeds_needed(samples[c], m, extremes[c, m]) for m in metrics),
-                         default=0) for c in configurations}
+        wanted = {c: _seeds_wanted(seed_docs[c], extremes, c, metrics) for c in configurations}
         more = _seed_runs(scenario, calibration, point,
                           {c: range(first + 1, min(n, seeds) + 1) for c, n in wanted.items()},
                           workers, Path(tmp))
@@ -367,8 +365,7 @@ def predict(scenario: Scenario, calibration: CalibrationFile, configurations: li
             if extremes[c, metric] is None:
                 continue
             at, low, high, low_end, high_end, values = extremes[c, metric]
-            seen = [at] + [v for doc in samples[c] + more.get(c, [])
-                           if (v := _get(doc, metric))]
+            seen = _values(at, seed_docs[c] + more[c], metric)
             noise = _log_sd(seen)
             mean = math.exp(sum(math.log(v) for v in seen) / len(seen))
             mean_low, mean_high = _widened(mean, mean * low / at, mean * high / at,
@@ -412,17 +409,27 @@ def _seed_runs(scenario: Scenario, calibration: CalibrationFile, point: CostFact
     return out
 
 
+def _values(at: float, runs: list[dict], metric: str) -> list[float]:
+    """The point's value and each run's under other seeds (a run with none of the metric, a
+    kind that finished nothing in the window, is left out: a log has no zero)."""
+    return [at] + [v for doc in runs if (v := _get(doc, metric))]
+
+
+def _seeds_wanted(runs: list[dict], extremes: dict, configuration: str,
+                  metrics: tuple[str, ...]) -> int:
+    """Other seeds ``configuration`` runs under: as many as its neediest metric wants."""
+    return max((_seeds_needed(runs, m, extremes[configuration, m]) for m in metrics), default=0)
+
+
 def _seeds_needed(runs: list[dict], metric: str, extremes) -> int:
     """Other seeds the mean of ``metric`` needs for its 2-sd spread to be at most half the
-    parameters' smaller nonzero move, or ``PRECISION`` (``runs``: its runs so far, the point's
-    excluded)."""
+    parameters' smaller move (an end at 0 moves no bound), or ``PRECISION`` (``runs``: its runs
+    so far, the point's excluded)."""
     if extremes is None:
         return 0
     at, low, high = extremes[:3]
-    seen = [at] + [v for doc in runs if (v := _get(doc, metric))]
-    noise = _log_sd(seen)
-    moves = [m for m in (math.log(at / low) if low > 0 else math.inf, math.log(high / at))
-             if m > 0]
+    noise = _log_sd(_values(at, runs, metric))
+    moves = [m for m in (math.log(at / low) if low > 0 else 0.0, math.log(high / at)) if m > 0]
     allowed = max(min(moves, default=0.0) / 2, PRECISION)
     return math.ceil((Z * noise / allowed) ** 2) - 1
 
@@ -481,7 +488,7 @@ class SamplingBound:
     sampling_sd: float
     duration_s: float | None  # the measurement window (None: the run goes to its last request)
     mean_width: float = 0.0  # relative, the expected value's range (its spread: more seeds)
-    seeds: int = 1
+    runs: int = 1  # the runs its mean is over
 
     @property
     def sampling_width(self) -> float:
@@ -493,7 +500,7 @@ class SamplingBound:
                 "relative_width": self.width, "parameter_width": self.parameter_width,
                 "sampling_sd": self.sampling_sd, "sampling_width": self.sampling_width,
                 "duration_s": self.duration_s, "mean_relative_width": self.mean_width,
-                "seeds": self.seeds}
+                "runs": self.runs}
 
 
 def sampling_bound(ranges: list[Range], duration_s: float | None) -> SamplingBound | None:

@@ -267,7 +267,7 @@ def test_a_range_that_is_mostly_sampling_spread_is_named_with_what_narrows_it(tm
     assert doc["parameter_width"] == 0.0 and doc["sampling_sd"] > 0
     assert doc["duration_s"] == raw["duration_s"] - raw.get("warmup_s", 0)
     ranges = report_of(res.output)["ranges"]
-    assert ranges and all(r["seeds"] > 1 and r["mean_low"] < r["mean"] < r["mean_high"]
+    assert ranges and all(r["runs"] > 1 and r["mean_low"] < r["mean"] < r["mean_high"]
                           and r["mean_relative_width"] < r["relative_width"] for r in ranges)
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
