@@ -21,10 +21,10 @@ them), and then, knowing only those numbers:
   suggests (a measured configuration at one of its mixes, every metric kept that the published
   numbers left out: the same simulated run, as a bench that kept its whole report).
 
-    python benchmarks/fit_ranges.py                  # 20 seeds, ~20-30 min on 2 cores
+    python benchmarks/fit_ranges.py                  # 20 seeds, ~30-50 min on 2 cores
     python benchmarks/fit_ranges.py --measure throughputs   # the narrowing case
     python benchmarks/fit_ranges.py --seeds 3 --out out/fit-ranges
-    python benchmarks/fit_ranges.py --setting paper --measure throughputs --seeds 10  # ~60 min
+    python benchmarks/fit_ranges.py --setting paper --measure throughputs --seeds 10  # ~2 h
 
 ``--setting paper`` is the issue's own case at full size: Dedicated-1:3 of the A100 mix sweep,
 512 clients in one mixed pool (90 s), where the prediction's sampling spread is small and an
