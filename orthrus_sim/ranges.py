@@ -286,8 +286,6 @@ class Range:
     noise: float = 0.0  # the point's sampling spread: sd of its log over other seeds
     samples: int = 1  # the runs ``noise`` and ``mean`` come from (the point's among them)
     mean: float | None = None  # the expected value: the geometric mean over those runs
-    mean_low: float | None = None  # the expected value's range (``predict``)
-    mean_high: float | None = None
 
     @property
     def width(self) -> float:
@@ -300,18 +298,42 @@ class Range:
         return self.noise / math.sqrt(self.samples)
 
     @property
+    def parameter_extremes(self) -> tuple[float, float]:
+        """The lowest and highest of the point and the ends' values (no sampling spread)."""
+        values = [self.point] + [v for v in self.values if v is not None]
+        return min(values), max(values)
+
+    @property
+    def mean_low(self) -> float | None:
+        """The expected value's range: the parameters' extremes moved with ``mean`` (each end's
+        ratio to the point under the same seed), widened by ``mean_noise``."""
+        return self._mean_range()[0]
+
+    @property
+    def mean_high(self) -> float | None:
+        return self._mean_range()[1]
+
+    def _mean_range(self) -> tuple[float | None, float | None]:
+        if self.mean is None or not self.point:
+            return None, None
+        low, high = self.parameter_extremes
+        scale = self.mean / self.point
+        return _widened(self.mean, low * scale, high * scale, self.mean_noise)
+
+    @property
     def mean_width(self) -> float:
         """The expected value's range relative to ``mean`` (a range without seeds: ``width``)."""
-        if self.mean is None or self.mean_low is None or self.mean_high is None:
+        low, high = self._mean_range()
+        if low is None or high is None:
             return self.width
-        return (self.mean_high - self.mean_low) / self.mean if self.mean else math.inf
+        return (high - low) / self.mean if self.mean else math.inf
 
     @property
     def parameter_width(self) -> float:
         """The width of the parameters' extremes alone (no sampling spread) relative to the
         point: what a further measurement can narrow."""
-        values = [self.point] + [v for v in self.values if v is not None]
-        return (max(values) - min(values)) / self.point if self.point else math.inf
+        low, high = self.parameter_extremes
+        return (high - low) / self.point if self.point else math.inf
 
     def as_dict(self) -> dict:
         return {"configuration": self.configuration, "metric": self.metric, "point": self.point,
@@ -368,11 +390,9 @@ def predict(scenario: Scenario, calibration: CalibrationFile, configurations: li
             seen = _values(at, seed_docs[c] + more[c], metric)
             noise = _log_sd(seen)
             mean = math.exp(sum(math.log(v) for v in seen) / len(seen))
-            mean_low, mean_high = _widened(mean, mean * low / at, mean * high / at,
-                                           noise / math.sqrt(len(seen)))
             low, high = _widened(at, low, high, noise)
             out.append(Range(c, metric, at, low, high, low_end, high_end, values, noise,
-                             len(seen), mean, mean_low, mean_high))
+                             len(seen), mean))
     return out
 
 
@@ -534,9 +554,8 @@ def _removal(widest: Range, fit_doc, picked: list[int]) -> float:
             grown += math.log(c / value) ** 2 if c and value else 1.0
         t = 1.0 if grown <= budget else math.sqrt(budget / grown)
         moved.append(widest.point + t * (v - widest.point))
-    everywhere = [widest.point] + [v for v in widest.values if v is not None]
     low, high = _widened(widest.point, min(moved), max(moved), widest.mean_noise)
-    low_now, high_now = _widened(widest.point, min(everywhere), max(everywhere), widest.mean_noise)
+    low_now, high_now = _widened(widest.point, *widest.parameter_extremes, widest.mean_noise)
     return 1 - (high - low) / (high_now - low_now) if high_now > low_now else 0.0
 
 
