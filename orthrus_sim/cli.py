@@ -412,6 +412,73 @@ def predict(
         _print_predictions(sc.name, str(calibration), cal, ranges, nexts, runs, _window_s(sc))
 
 
+@app.command()
+def headroom(
+    scenario: str = typer.Argument(..., help=SCENARIO_HELP + " (a steady mix and "
+                                   "scheduler.tpot_target_s)"),
+    set_: list[str] = typer.Option([], "--set", help="override a scenario field: section.key=value"),
+    fmt: str = typer.Option("table", "--format", help="table | json"),
+) -> None:
+    """What co-serving can gain on the scenario's steady demand, predicted in a second without
+    simulating: every assignment the placement planner weighs, its plan, the best static split
+    and an upper bound on any placement of the cluster's replicas within the TPOT target
+    (docs/scheduler.md, "What any placement could serve")."""
+    from orthrus_sim.experiment.headroom import headroom as weigh
+    from orthrus_sim.experiment.scenario import load_scenario
+
+    if fmt not in ("table", "json"):
+        fail(f"--format must be table or json, got {fmt!r}")
+    try:
+        sc = load_scenario(scenario, set_)
+        h = weigh(sc)
+    except ValueError as exc:
+        fail(exc)
+    if fmt == "json":
+        console.print(json.dumps(h.as_dict()), markup=False, highlight=False, soft_wrap=True)
+        return
+    _print_headroom(h)
+
+
+def _print_headroom(h) -> None:
+    import math
+
+    d, n = h.demand, h.replicas
+    load = (f"{d.generations:.1f} generations and {d.embeddings:.1f} embeddings in flight"
+            if d.closed_loop else
+            f"{d.generation_rps:.3g} generations/s and {d.embedding_rps:.3g} embeddings/s")
+    table = Table(title=f"{h.scenario}: {n} replicas, TPOT target {h.target_s * 1e3:.3g} ms, "
+                        f"{load}")
+    for col in ("assignment (emb:dec)", "emb/s", "gen/s", "TPOT ms", "normalised",
+                "holds target", ""):
+        table.add_column(col)
+    for p in h.assignments:
+        table.add_row(p.assignment.label(n), f"{p.embedding_rps:.1f}", f"{p.generation_rps:.2f}",
+                      f"{p.tpot_s * 1e3:.1f}", f"{p.throughput:.3f}", "yes" if p.feasible else "no",
+                      "plan" if p.assignment == h.plan.assignment else "")
+    console.print(table)
+    b = h.bound
+
+    def num(x: float) -> str:
+        return f"{x:.3f}" if math.isfinite(x) else "-"
+
+    def where(r: tuple) -> str:
+        return "embeds" if r[0] is None else f"{r[0]} decodes + {r[1]} rider tokens"
+
+    console.print(f"best static split (embedding replicas merged): {num(b.best_split)}; any "
+                  f"placement: at most {num(b.objective)} (headroom {num(b.headroom)}x the split)",
+                  highlight=False)
+    if b.replicas:
+        console.print("  reached by, per replica: " + "; ".join(where(r) for r in b.replicas),
+                      highlight=False)
+    if b.serves_demand is not None:
+        verdict = ("some placement may serve it" if b.serves_demand
+                   else "no placement of these replicas serves it within the target")
+        console.print(f"the whole demand, normalised: {num(b.asked)}: {verdict}", highlight=False)
+    console.print("normalised: each kind's throughput over one replica dedicated to it (the "
+                  "planner's own units); steady-state predictions: simulate with "
+                  "--set cluster.router=adaptive to measure", style="dim", highlight=False)
+
+
 def _print_fit(result) -> None:
     from orthrus_sim.evaluation import BY_NAME
 

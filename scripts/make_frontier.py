@@ -72,6 +72,8 @@ def compute(shares: list[float], workers: int = 2, quick: bool = False, out: Pat
         second = list(pool.map(run_point, jobs))
     for p in second:
         p["target_x"] = round(float(p["set"][0].split("=")[1]) / step[p["share"]], 2)
+        if p["set"][-1] == "cluster.router=adaptive":
+            p["headroom"] = headroom_at(p["share"], p["set"][0])
     points = first + second
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(points, indent=1) + "\n")
@@ -88,6 +90,33 @@ def main() -> None:
     args = ap.parse_args()
     shares = [float(s) for s in args.shares.split(",")]
     print("\n".join(table(compute(shares, args.workers, args.quick, args.out), shares)))
+
+
+def headroom_at(share: float, target_set: str) -> dict:
+    """What any placement could serve at this share and target, over the best static split,
+    under the simulator's cost model (``orthrus-sim headroom``: the bound on every spread of
+    decodes and riders over the replicas)."""
+    from orthrus_sim.experiment.headroom import headroom
+    from orthrus_sim.experiment.scenario import load_scenario
+
+    b = headroom(load_scenario(SCENARIO, [f"workload.generation_share={share}", target_set])).bound
+    return {"bound": b.objective, "best_split": b.best_split, "headroom": b.headroom,
+            "replicas": [list(r) for r in b.replicas]}
+
+
+def headroom_table(points: list[dict], shares: list[float]) -> list[str]:
+    """The bound over the best split per share and target (adaptive points' ``headroom``)."""
+    targets = sorted({p["target_x"] for p in points if "headroom" in p})
+    lines = ["| share | " + " | ".join(f"{x:g}x" for x in targets) + " |",
+             "|---|" + "---|" * len(targets)]
+    for share in shares:
+        cells = []
+        for x in targets:
+            h = next((p["headroom"]["headroom"] for p in points if "headroom" in p
+                      and p["share"] == share and p["target_x"] == x), None)
+            cells.append("-" if h is None or not math.isfinite(h) else f"{h:.3f}")
+        lines.append(f"| {share} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _reference(points: list[dict], share: float) -> dict:

@@ -49,7 +49,11 @@ from typing import Any
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine.batch import ItemKind
 
-FIXED_POINT_ROUNDS = 6  # iteration time <-> prompt tokens per iteration and rider share
+# iteration time <-> decodes held, prompt tokens per iteration and rider share: at most this
+# many rounds, stopping where a round changes nothing (6 fixed rounds left an open load near
+# its decode slots unconverged: 63 generations/s predicted where 58.5 are held)
+FIXED_POINT_ROUNDS = 50
+BOUND_WEIGHTS = 10  # the bound's weights on capped kinds: 0, 1/10, ..., 1 (``PlacementPlanner.bound``)
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,43 @@ class Prediction:
         return out
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The most normalised throughput any placement of the replicas is predicted to serve for
+    one demand within the target (``PlacementPlanner.bound``), beside the best static split's
+    under the same prediction: what co-serving could add to the split at most."""
+
+    objective: float  # an upper bound over placements (nan: no placement holds the target)
+    best_split: float  # the best static split's, under the same prediction (nan: none fits)
+    # the placement reaching the bound, where no capped demand set it (empty otherwise): per
+    # replica, decodes and rider (embedding) tokens per iteration; decodes None: embedding with
+    # its whole budget
+    replicas: tuple[tuple[int | None, int], ...] = ()
+    asked: float = math.nan  # an open load's whole demand, normalised (nan: a closed loop)
+
+    @property
+    def serves_demand(self) -> bool | None:
+        """Whether some placement may serve an open load's whole demand (None: closed loop)."""
+        if not math.isfinite(self.asked):
+            return None
+        return math.isfinite(self.objective) and self.objective >= self.asked * (1 - 1e-6)
+
+    @property
+    def headroom(self) -> float:
+        """The bound over the best split: 1.0 means no placement serves more than the split."""
+        return self.objective / self.best_split
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["replicas"] = [list(r) for r in self.replicas]
+        out["serves_demand"] = self.serves_demand
+        for key in ("objective", "best_split", "asked"):  # JSON has no nan
+            if not math.isfinite(out[key]):
+                out[key] = None
+        out["headroom"] = self.headroom if math.isfinite(self.headroom) else None
+        return out
+
+
 def _use(demand: float, capacity: float) -> float:
     """``demand`` over ``capacity`` (0 with no demand, unbounded with none to serve it)."""
     if demand <= 0:
@@ -135,15 +176,20 @@ def decode_shape(decodes: int, decode_kv: int) -> BatchShape:
 
 
 def chunk_shape(replica: Any, decodes: int, decode_kv: int, tokens: int,
-                kind: ItemKind = ItemKind.EMBED_CHUNK, piece: int | None = None) -> BatchShape:
+                kind: ItemKind = ItemKind.EMBED_CHUNK, piece: int | None = None,
+                adapter: bool | None = None, shape: BatchShape | None = None) -> BatchShape:
     """An iteration of ``decodes`` decodes and ``tokens`` chunk tokens, cut into chunks of
-    the replica's ``chunk_size`` (or of ``piece`` tokens, one request's, when smaller)."""
+    the replica's ``chunk_size`` (or of ``piece`` tokens, one request's, when smaller), with
+    LoRA rows where the replica has an adapter (``adapter=False``: merged into the weights);
+    added to ``shape`` when given."""
     cfg = replica.policy.config
     chunk = cfg.chunk_size or cfg.token_budget
     if piece:
         chunk = min(chunk, piece)
-    adapter = replica.cost.lora is not None
-    s = decode_shape(decodes, decode_kv) if decodes else BatchShape()
+    if adapter is None:
+        adapter = replica.cost.lora is not None
+    s = shape if shape is not None else (decode_shape(decodes, decode_kv) if decodes
+                                         else BatchShape())
     left = tokens
     while left > 0:
         n = min(chunk, left)
@@ -291,9 +337,13 @@ class PlacementPlanner:
         mid = int(d.prompt_len + out / 2)
         limit = self.target_s
         t, gen, riding, holds, alone = self._time(1, mid, 0), 0.0, 0.0, True, 0.0
-        slots = min(self.max_seqs, max(1, self.kv_tokens // mid))  # held on average: mid-output
+        slots = self._slots(d)
         uncapped, cap = t, 0.0
+        last = None
         for _ in range(FIXED_POINT_ROUNDS):
+            if last == (t, gen):
+                break
+            last = (t, gen)
             want = d.generations / k if d.closed_loop else d.generation_rps / k * out * t
             running = min(want, slots)
             gen = k * running / (out * t)
@@ -366,6 +416,142 @@ class PlacementPlanner:
             r = self._riders[key] = chunk_rate(self.replica, decodes, decode_kv, self.target_s,
                                                self._piece)
         return r
+
+    # ----- what any placement could serve ----------------------------------------------------
+    def bound(self, d: Demand, merged: bool = True) -> Bound:
+        """An upper bound on the normalised throughput of *any* placement for ``d`` under this
+        planner's steady-state prediction, not only its ``2N + 1`` assignments, beside the best
+        static split's under the same prediction. Each replica may hold any number of decodes
+        (at most its slots) and any rider tokens beside them (multiples of
+        ``min_chunk_tokens``) within the target, or embed with its whole budget. A closed
+        loop's generations in flight all decode (up to the replicas' slots), shared out by
+        dynamic programming over the replicas, exactly; each decode ends after ``output_len``
+        iterations and is replaced by a prompt of ``prompt_len`` tokens in its replica's
+        iteration. Kinds whose demand is capped (the embeddings asked for, an open load's
+        generation rate) are bounded through weights: for every weight ``w`` on a capped kind,
+        ``min(x, cap) <= w x + (1 - w) cap``, so the least over ``BOUND_WEIGHTS + 1`` weights of
+        the best placement's weighted sum is still an upper bound (max-min <= min-max). A
+        replica embedding with its whole budget is priced with its adapter merged (``merged``,
+        as the simulator's embedding side runs; the real gateway's engines keep it unmerged:
+        pass False), in the bound and the split alike."""
+        self._piece = max(1, round(d.embedding_len))
+        gen_ref = self._generation_reference(d)
+        emb_len = max(d.embedding_len, 1.0)
+        emb_ref = self._full_rate(emb_len) / emb_len
+        full, emb_cap = self._embedding_demand(d)
+        options = self._replica_options(d)  # decodes -> [(generations/s, embeddings/s, riders)]
+        whole = (self._merged_rate(emb_len) if merged else full) / emb_len
+        options[None] = [(0.0, whole, 0)]  # embedding with the whole budget
+        gen_cap = math.inf if d.closed_loop else d.generation_rps
+
+        def normalised(gen: float, emb: float) -> float:
+            return (min(gen, gen_cap) / gen_ref if gen_ref > 0 else 0.0) + min(emb, emb_cap) / emb_ref
+
+        weights = [i / BOUND_WEIGHTS for i in range(BOUND_WEIGHTS + 1)]
+        best, at = -math.inf, ()
+        for w_emb in weights if emb_cap < math.inf else [1.0]:
+            for w_gen in weights if gen_cap < math.inf else [1.0]:
+                per_gen = w_gen / gen_ref if gen_ref > 0 else 0.0
+                total, placement = self._best_placement(options, per_gen, w_emb / emb_ref, d)
+                total += (1 - w_emb) * emb_cap / emb_ref
+                if gen_cap < math.inf and gen_ref > 0:
+                    total += (1 - w_gen) * gen_cap / gen_ref
+                if best == -math.inf or total < best:
+                    # a capped kind's weights' placement is no placement one could run
+                    best, at = total, placement if (w_emb, w_gen) == (1.0, 1.0) else ()
+        splits = [normalised(*self._split(k, options, d)) for k in range(1, self.replicas)]
+        splits = [v for v in splits if math.isfinite(v)]
+        asked = math.nan if d.closed_loop else normalised(d.generation_rps, d.embedding_rps)
+        return Bound(best if math.isfinite(best) else math.nan,
+                     max(splits) if splits else math.nan, at, asked)
+
+    def _split(self, k: int, options: dict, d: Demand) -> tuple[float, float]:
+        """(generations/s, embeddings/s) of the static split with ``k`` replicas decoding
+        (the generations spread evenly, no riders) and the rest embedding with their whole
+        budget, from the bound's options (generations/s: -inf where the decodes do not fit)."""
+        emb = (self.replicas - k) * options[None][0][1]
+        alone = {n: fits[0][0] for n, fits in options.items() if n is not None}
+        if not d.asks_generation:
+            return 0.0, emb
+        if d.closed_loop:
+            need = min(round(d.generations), k * self._slots(d))
+            q, extra = divmod(need, k)
+            if q + (extra > 0) > max(alone, default=0):
+                return -math.inf, emb
+            return extra * alone.get(q + 1, 0.0) + (k - extra) * alone.get(q, 0.0), emb
+        # open load: the fewest decodes per replica that serve its share, or all it holds
+        share = d.generation_rps / k
+        held = [g for n, g in sorted(alone.items()) if g >= share]
+        return k * (share if held else max(alone.values(), default=0.0)), emb
+
+    def _replica_options(self, d: Demand) -> dict[int | None, list[tuple[float, float, int]]]:
+        """Every way one replica may hold ``n`` decodes within the target: (generations/s,
+        embeddings/s, rider tokens per iteration) for each rider count that fits."""
+        out_len = max(d.output_len, 1.0)
+        mid = int(d.prompt_len + out_len / 2)
+        emb_len = max(d.embedding_len, 1.0)
+        slots = self._slots(d)
+        most = min(slots, round(d.generations)) if d.closed_loop else slots
+        options: dict[int | None, list[tuple[float, float, int]]] = {}
+        for n in range(1, most + 1 if d.asks_generation else 1):
+            prompt = int(n * d.prompt_len / out_len)
+            fits = []
+            for riders in range(0, self.budget - n - prompt + 1, self.min_chunk):
+                t = self._iteration(n, n * mid, prompt, riders)
+                if t > self.target_s:
+                    break
+                fits.append((n / (out_len * t), riders / (emb_len * t), riders))
+            if not fits:  # more decodes fit no better
+                break
+            options[n] = fits
+        return options
+
+    def _best_placement(self, options: dict, per_gen: float, per_emb: float, d: Demand
+                        ) -> tuple[float, tuple[tuple[int | None, int], ...]]:
+        """The highest sum over the replicas of ``per_gen`` x generations/s + ``per_emb`` x
+        embeddings/s, each replica taking one option (a closed loop's decodes adding up to its
+        generations in flight), and the placement."""
+        best = {n: max(((per_gen * g + per_emb * e, riders) for g, e, riders in fits),
+                       key=lambda x: x[0])
+                for n, fits in options.items()}
+        if not d.closed_loop:  # no coupling: every replica takes the best option
+            n = max(best, key=lambda k: best[k][0])
+            return best[n][0] * self.replicas, ((n, best[n][1]),) * self.replicas
+        # every generation in flight decodes (none is left waiting to gain elsewhere), up to
+        # the slots of all replicas; decodes placed so far -> (value, placement)
+        need = min(round(d.generations), self.replicas * self._slots(d))
+        states: dict[int, tuple[float, tuple]] = {0: (0.0, ())}
+        for _ in range(self.replicas):
+            nxt: dict[int, tuple[float, tuple]] = {}
+            for used, (v, placement) in states.items():
+                for n, (gain, riders) in best.items():
+                    total = used + (n or 0)
+                    if total <= need and (total not in nxt or nxt[total][0] < v + gain):
+                        nxt[total] = (v + gain, placement + ((n, riders),))
+            states = nxt
+        if need not in states:  # no placement decodes them all within the target
+            return -math.inf, ()
+        v, placement = states[need]
+        return v, tuple(sorted(placement, key=lambda r: -1 if r[0] is None else r[0]))
+
+    def _slots(self, d: Demand) -> int:
+        """Decodes one replica holds: ``max_num_seqs``, or its KV cache with every decode at
+        mid-output (what they hold on average)."""
+        mid = int(d.prompt_len + max(d.output_len, 1.0) / 2)
+        return min(self.max_seqs, max(1, self.kv_tokens // mid))
+
+    def _iteration(self, decodes: int, decode_kv: int, prompt_tokens: int, riders: int) -> float:
+        """Seconds of an iteration of decodes, prompt chunks and rider (embedding) chunks."""
+        shape = chunk_shape(self.replica, decodes, decode_kv, prompt_tokens, ItemKind.PREFILL_CHUNK)
+        shape = chunk_shape(self.replica, 0, 0, riders, piece=self._piece, shape=shape)
+        return self.replica.cost.shape_time(shape)
+
+    def _merged_rate(self, embedding_len: float) -> float:
+        """Embedding tokens/s of a replica embedding with its whole budget and its adapter
+        merged into the weights (as the simulator's embedding side runs)."""
+        piece = max(1, round(embedding_len))
+        shape = chunk_shape(self.replica, 0, 0, self.budget, piece=piece, adapter=False)
+        return self.budget / self.replica.cost.shape_time(shape)
 
     # ----- the choice -----------------------------------------------------------------------
     def plan(self, d: Demand, current: Assignment | None = None) -> Prediction:
