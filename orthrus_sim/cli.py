@@ -422,7 +422,8 @@ def headroom(
     """What co-serving can gain on the scenario's steady demand, predicted in a second without
     simulating: every assignment the placement planner weighs, its plan, the best static split
     and an upper bound on any placement of the cluster's replicas within the TPOT target
-    (docs/scheduler.md, "What any placement could serve")."""
+    (docs/scheduler.md, "What any placement could serve"). The scenario's configurations are
+    not run: with another cluster.gpus, set configurations=[orthrus] too."""
     from orthrus_sim.experiment.headroom import headroom as weigh
     from orthrus_sim.experiment.scenario import load_scenario
 
@@ -467,8 +468,8 @@ def _print_headroom(h) -> None:
     console.print(f"best static split (embedding replicas merged): {num(b.best_split)}; any "
                   f"placement: at most {num(b.objective)} (headroom {num(b.headroom)}x the split)",
                   highlight=False)
-    if b.replicas:
-        console.print("  reached by, per replica: " + "; ".join(where(r) for r in b.replicas),
+    if b.placement:
+        console.print("  reached by, per replica: " + "; ".join(where(r) for r in b.placement),
                       highlight=False)
     if b.serves_demand is not None:
         verdict = ("some placement may serve it" if b.serves_demand

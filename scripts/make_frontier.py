@@ -100,8 +100,7 @@ def headroom_at(share: float, target_set: str) -> dict:
     from orthrus_sim.experiment.scenario import load_scenario
 
     b = headroom(load_scenario(SCENARIO, [f"workload.generation_share={share}", target_set])).bound
-    return {"bound": b.objective, "best_split": b.best_split, "headroom": b.headroom,
-            "replicas": [list(r) for r in b.replicas]}
+    return b.as_dict()  # JSON: null where a figure is missing
 
 
 def headroom_table(points: list[dict], shares: list[float]) -> list[str]:
@@ -114,7 +113,7 @@ def headroom_table(points: list[dict], shares: list[float]) -> list[str]:
         for x in targets:
             h = next((p["headroom"]["headroom"] for p in points if "headroom" in p
                       and p["share"] == share and p["target_x"] == x), None)
-            cells.append("-" if h is None or not math.isfinite(h) else f"{h:.3f}")
+            cells.append("-" if h is None else f"{h:.3f}")
         lines.append(f"| {share} | " + " | ".join(cells) + " |")
     return lines
 

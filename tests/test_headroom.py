@@ -10,15 +10,20 @@ import statistics
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from orthrus_sim.cli import app as sim_app
 from orthrus_sim.costmodel import CostModel, LoRASpec, get_hardware, get_model
 from orthrus_sim.engine import SchedulerConfig
-from orthrus_sim.experiment.headroom import headroom, scenario_demand, scenario_planner
-from orthrus_sim.experiment.placement import Assignment, Demand, PlacementPlanner
+from orthrus_sim.experiment.headroom import (
+    _latencies,
+    headroom,
+    scenario_demand,
+    scenario_planner,
+)
+from orthrus_sim.experiment.placement import Assignment, Demand, PlacementPlanner, chunk_rate
 from orthrus_sim.experiment.scenario import load_scenario
 
 COST = CostModel(get_hardware("a100-40gb"), get_model("mistral-7b-v0.1"), lora=LoRASpec(16))
@@ -35,6 +40,7 @@ def planner(target: float, replicas: int, blocks: int | None = None) -> Placemen
 @settings(max_examples=40, deadline=None)
 @given(replicas=st.integers(2, 6), share=st.floats(0.05, 0.95), clients=st.integers(8, 600),
        target_ms=st.floats(15.0, 60.0), closed=st.booleans(), rate=st.floats(1.0, 400.0))
+@example(replicas=2, share=0.95, clients=316, target_ms=30.0, closed=True, rate=1.0)  # > slots
 def test_the_bound_is_at_least_every_assignment_the_planner_weighs(replicas, share, clients,
                                                                   target_ms, closed, rate):
     """Whatever the mix, cluster and target: no assignment the planner weighs (the static
@@ -58,6 +64,23 @@ def test_the_bound_is_at_least_every_assignment_the_planner_weighs(replicas, sha
         assert b.objective >= b.best_split * (1 - 1e-9)
 
 
+def test_the_bound_holds_at_the_edges():
+    """Fractional generations in flight (a mixed pool's, or with think time) count whole: the
+    bound stays above the planner's plan; an all-decoding or all-embedding cluster is a split
+    too (a one-kind load has no headroom over it); a split serving nothing gives no headroom
+    (nan, not a division by zero)."""
+    p = planner(0.03, 2)
+    d = Demand(generations=0.4, embeddings=100, prompt_len=128, output_len=512, embedding_len=128)
+    assert p.bound(d, merged=False).objective >= p.plan(d).throughput * 0.99
+    only_gen = Demand(generations=64, embeddings=0, prompt_len=128, output_len=512)
+    assert p.bound(only_gen).headroom == pytest.approx(1.0, abs=0.01)
+    only_emb = Demand(generations=0, embeddings=64, embedding_len=128)
+    assert p.bound(only_emb).headroom == pytest.approx(1.0)
+    idle = p.bound(Demand(generations=0.2, embeddings=0, prompt_len=128, output_len=512))
+    assert math.isnan(idle.headroom) or idle.headroom >= 1.0
+    json.dumps(idle.as_dict())
+
+
 def test_the_bound_is_the_best_of_every_placement_on_a_small_cluster():
     """Closed loop, embeddings asked for without end: the dynamic programme's bound equals the
     best of every placement enumerated (each replica embedding, or holding any number of the
@@ -68,7 +91,7 @@ def test_the_bound_is_the_best_of_every_placement_on_a_small_cluster():
                    embedding_len=128)
         b = p.bound(d)
         options = p._replica_options(d)
-        options[None] = [(0.0, p._merged_rate(128) / 128, 0)]
+        options[None] = [(0.0, chunk_rate(p.replica, 0, 0, None, 128, adapter=False) / 128, 0)]
         gen_ref = p._generation_reference(d)
         emb_ref = p._full_rate(128) / 128
         best = -math.inf
@@ -78,7 +101,7 @@ def test_the_bound_is_the_best_of_every_placement_on_a_small_cluster():
             for fits in itertools.product(*(options[n] for n in combo)):
                 best = max(best, sum(g / gen_ref + e / emb_ref for g, e, _ in fits))
         assert b.objective == pytest.approx(best, rel=1e-9)
-        assert sum(n or 0 for n, _ in b.replicas) == gens
+        assert sum(n or 0 for n, _ in b.placement) == gens
 
 
 MIX_SWEEP_STEP_MS = {0.1: 13.10, 0.5: 20.22, 0.9: 28.82}  # Dedicated-1:3's TPOT p50, simulated
@@ -124,9 +147,14 @@ def test_a_mixed_closed_pools_demand_follows_the_latencies():
     requests; per-kind pools hold their own clients."""
     sets = ["workload.generation_share=0.5", "scheduler.tpot_target_s=0.03"]
     mixed = load_scenario("mix_sweep", [*sets, "workload.arrival.pools=mixed"])
-    d = scenario_demand(mixed, scenario_planner(mixed))
+    p = scenario_planner(mixed)
+    d = scenario_demand(mixed, p)
     assert d.generations + d.embeddings == pytest.approx(512, rel=1e-6)
     assert d.generations > 0.9 * 512
+    # a fixed point: the latencies of the best plan serving both kinds give these counts back
+    gen_s, emb_s = _latencies(p, d)
+    assert 512 * 0.5 * gen_s / (0.5 * gen_s + 0.5 * emb_s) == pytest.approx(d.generations,
+                                                                            rel=1e-4)
     split = load_scenario("mix_sweep", sets)
     assert scenario_demand(split, scenario_planner(split)).generations == 256
 
@@ -138,7 +166,7 @@ def test_headroom_command_prints_json_and_names_what_it_cannot_weigh():
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     assert {"demand", "assignments", "plan", "bound"} <= set(doc)
-    assert {"objective", "best_split", "headroom", "replicas"} <= set(doc["bound"])
+    assert {"objective", "best_split", "headroom", "placement"} <= set(doc["bound"])
     assert doc["bound"]["headroom"] >= 1.0 and len(doc["assignments"]) == 9
     res = runner.invoke(sim_app, ["headroom", "mix_sweep", "--set",
                                   "scheduler.tpot_target_s=0.0253"])
@@ -148,3 +176,11 @@ def test_headroom_command_prints_json_and_names_what_it_cannot_weigh():
     assert "Traceback" not in res.output
     res = runner.invoke(sim_app, ["headroom", "mix_sweep"])
     assert res.exit_code != 0 and "scheduler.tpot_target_s" in res.output
+    res = runner.invoke(sim_app, ["headroom", "mix_sweep", "--set", "cluster.gpus=2", "--set",
+                                  "configurations=[orthrus]", "--set", "workload.arrival.clients=1",
+                                  "--set", "workload.arrival.pools=mixed", "--set",
+                                  "workload.arrival.think_time_s=100", "--set",
+                                  "workload.generation_share=1", "--set",
+                                  "scheduler.tpot_target_s=0.03"])
+    assert "Traceback" not in res.output and res.exception is None or isinstance(
+        res.exception, SystemExit), res.output

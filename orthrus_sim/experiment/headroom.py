@@ -15,17 +15,16 @@ refused with the field to change."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
 
-from orthrus_sim.costmodel import get_hardware
-from orthrus_sim.costmodel.factors import apply_factors
 from orthrus_sim.experiment.placement import Bound, Demand, PlacementPlanner, Prediction
-from orthrus_sim.experiment.plan import coefficients, cost_factors, plan_configuration
-from orthrus_sim.experiment.routing import closed_loop, slo_bounds
+from orthrus_sim.experiment.plan import plan_configuration, replica_cost
+from orthrus_sim.experiment.routing import RouterRule, closed_loop
 from orthrus_sim.experiment.scenario import Arrival, Scenario
 
-FIXED_POINT_ROUNDS = 30  # a mixed closed pool: in-flight counts <-> the plan's latencies
+DEMAND_ROUNDS = 100  # a closed loop with think time or one mixed pool: in flight <-> latencies
+SETTLED = 1e-6  # relative change in the generations in flight that ends those rounds
 
 
 @dataclass(frozen=True)
@@ -40,37 +39,22 @@ class Headroom:
 
     def as_dict(self) -> dict:
         return {"scenario": self.scenario, "replicas": self.replicas, "target_s": self.target_s,
-                "demand": {k: v for k, v in vars(self.demand).items()},
+                "demand": asdict(self.demand),
                 "assignments": [p.as_dict(self.replicas) for p in self.assignments],
                 "plan": self.plan.as_dict(self.replicas), "bound": self.bound.as_dict()}
 
 
 def scenario_planner(sc: Scenario) -> PlacementPlanner:
-    """The planner the scenario's adaptive router would run: one unified replica's cost model
-    (the calibration's factors applied) and scheduler config, ``cluster.gpus`` of them."""
-    target = sc.scheduler.tpot_target_s
-    if target is None:
+    """The planner the scenario's adaptive router runs (``RouterRule.of``: its target, packing
+    and objective): one unified replica's cost model and scheduler config, ``cluster.gpus`` of
+    them."""
+    if sc.scheduler.tpot_target_s is None:
         raise ValueError("scheduler.tpot_target_s: headroom needs the iteration-time target the "
                          "placement must hold (seconds; e.g. --set scheduler.tpot_target_s=0.03)")
+    rule = RouterRule.of(sc, sc.scheduler.tpot_target_s)
     plan = plan_configuration(sc, "orthrus")[0]
-    cost = apply_factors(plan.cost_model(get_hardware(sc.hardware), coefficients(sc)),
-                         cost_factors(sc))
-    replica = _Replica(cost, plan.config)
-    return PlacementPlanner(replica, sc.cluster.gpus, sc.cluster.adaptive_pack * target,
-                            slo_bounds(sc))
-
-
-@dataclass(frozen=True)
-class _PolicyConfig:
-    config: Any
-
-
-class _Replica:
-    """What the planner reads of a replica: its cost model and its policy's config."""
-
-    def __init__(self, cost: Any, config: Any) -> None:
-        self.cost = cost
-        self.policy = _PolicyConfig(config)
+    replica = SimpleNamespace(cost=replica_cost(sc)(plan), policy=SimpleNamespace(config=plan.config))
+    return PlacementPlanner(replica, sc.cluster.gpus, rule.pack * rule.target_s, rule.slo)
 
 
 def _steady_arrival(sc: Scenario) -> Arrival:
@@ -99,29 +83,50 @@ def scenario_demand(sc: Scenario, planner: PlacementPlanner) -> Demand:
     if not closed_loop(sc):
         return Demand(generation_rps=arrival.rate * share, embedding_rps=arrival.rate * (1 - share),
                       closed_loop=False, **lengths)
-    clients = arrival.clients
-    per_kind = arrival.pools == "per-kind"
-    gen_clients = round(clients * share) if per_kind else clients * share
-    emb_clients = clients - gen_clients
-    d = Demand(generations=gen_clients, embeddings=emb_clients, **lengths)
+    clients = {p.kind: p.clients for p in w.default_pools()}  # per kind, or one mixed pool
     think = arrival.think_time_s
-    if not think and per_kind:  # every client always has its request in flight
+    if "mixed" in clients:
+        gens, embs = clients["mixed"] * share, clients["mixed"] * (1 - share)
+    else:
+        gens, embs = clients.get("generation", 0), clients.get("embedding", 0)
+    d = Demand(generations=gens, embeddings=embs, **lengths)
+    if not think and "mixed" not in clients:  # every client always has its request in flight
         return d
-    for _ in range(FIXED_POINT_ROUNDS):
-        p = planner.plan(d)
-        lat = planner.latencies(p.assignment, d, p.embedding_rps, p.generation_rps, p.tpot_s)
-        gen_s, emb_s = lat.get("e2e_s", 0.0), lat["latency_s"]
-        if not (math.isfinite(gen_s) and math.isfinite(emb_s)):
-            break
-        if per_kind:  # each client in flight for its latency out of latency + think
-            gens = gen_clients * gen_s / (gen_s + think) if gen_s + think > 0 else 0.0
-            embs = emb_clients * emb_s / (emb_s + think) if emb_s + think > 0 else 0.0
-        else:  # a mixed pool's clients spend their cycle in each kind by share x latency
+    for _ in range(DEMAND_ROUNDS):
+        gen_s, emb_s = _latencies(planner, d)
+        if "mixed" in clients:  # a mixed pool's clients spend their cycle in each kind
             cycle = share * (gen_s + think) + (1 - share) * (emb_s + think)
-            gens = clients * share * gen_s / cycle if cycle > 0 else gen_clients
-            embs = clients * (1 - share) * emb_s / cycle if cycle > 0 else emb_clients
-        d = replace(d, generations=gens, embeddings=embs)
-    return d
+            n = clients["mixed"]
+            new = replace(d, generations=n * share * gen_s / cycle,
+                          embeddings=n * (1 - share) * emb_s / cycle)
+        else:  # each client in flight for its latency out of latency + think
+            new = replace(d, generations=clients.get("generation", 0) * gen_s / (gen_s + think),
+                          embeddings=clients.get("embedding", 0) * emb_s / (emb_s + think))
+        settled = abs(new.generations - d.generations) <= SETTLED * max(d.generations, 1.0)
+        d = new
+        if settled:
+            return d
+    raise ValueError("workload.arrival: the requests in flight of each kind did not settle "
+                     f"within {DEMAND_ROUNDS} rounds of the plan's latencies; give the load as "
+                     "per-kind pools (workload.arrival.pools=per-kind) or an open-loop rate")
+
+
+def _latencies(planner: PlacementPlanner, d: Demand) -> tuple[float, float]:
+    """(a generation's, an embedding's) mean latency under the best plan that serves every
+    kind asked for: a plan that leaves one kind no throughput would hold its clients forever."""
+    serving = [p for p in (planner.predict(a, d) for a in planner.candidates())
+               if p.feasible and (p.generation_rps > 0 or not d.asks_generation)
+               and (p.embedding_rps > 0 or not d.asks_embedding)]
+    if not serving:
+        raise ValueError("scheduler.tpot_target_s: no assignment of the replicas serves both "
+                         "kinds of this closed loop within the target")
+    p = max(serving, key=lambda q: q.objective)
+    lat = planner.latencies(p.assignment, d, p.embedding_rps, p.generation_rps, p.tpot_s)
+    gen_s, emb_s = lat.get("e2e_s", 0.0), lat["latency_s"]
+    if not (math.isfinite(gen_s) and math.isfinite(emb_s)):
+        raise ValueError("scheduler.tpot_target_s: no assignment of the replicas serves both "
+                         "kinds of this closed loop within the target")
+    return gen_s, emb_s
 
 
 def headroom(sc: Scenario) -> Headroom:

@@ -51,7 +51,8 @@ from orthrus_sim.engine.batch import ItemKind
 
 # iteration time <-> decodes held, prompt tokens per iteration and rider share: at most this
 # many rounds, stopping where a round changes nothing (6 fixed rounds left an open load near
-# its decode slots unconverged: 63 generations/s predicted where 58.5 are held)
+# its decode slots unconverged: 63 generations/s predicted where 58.5 are held); a state that
+# alternates between two (whole decodes priced, ~0.1 % apart) runs to the cap, deterministically
 FIXED_POINT_ROUNDS = 50
 BOUND_WEIGHTS = 10  # the bound's weights on capped kinds: 0, 1/10, ..., 1 (``PlacementPlanner.bound``)
 
@@ -131,12 +132,16 @@ class Bound:
     one demand within the target (``PlacementPlanner.bound``), beside the best static split's
     under the same prediction: what co-serving could add to the split at most."""
 
-    objective: float  # an upper bound over placements (nan: no placement holds the target)
-    best_split: float  # the best static split's, under the same prediction (nan: none fits)
-    # the placement reaching the bound, where no capped demand set it (empty otherwise): per
-    # replica, decodes and rider (embedding) tokens per iteration; decodes None: embedding with
-    # its whole budget
-    replicas: tuple[tuple[int | None, int], ...] = ()
+    # an upper bound over placements (nan: in a closed loop, no placement decodes every
+    # generation in flight within the target)
+    objective: float
+    # the best static split's (``k`` replicas decoding evenly, the rest embedding, ``k`` from 0
+    # to all), under the same prediction (nan: none decodes every generation in flight)
+    best_split: float
+    # a placement reaching the bound (empty where none does: a capped demand set the bound):
+    # per replica, decodes and rider (embedding) tokens per iteration; decodes None: embedding
+    # with its whole budget
+    placement: tuple[tuple[int | None, int], ...] = ()
     asked: float = math.nan  # an open load's whole demand, normalised (nan: a closed loop)
 
     @property
@@ -148,12 +153,16 @@ class Bound:
 
     @property
     def headroom(self) -> float:
-        """The bound over the best split: 1.0 means no placement serves more than the split."""
+        """The bound over the best split: 1.0 means no placement serves more than the split
+        (nan where either is missing or the split serves nothing)."""
+        if not (math.isfinite(self.objective) and math.isfinite(self.best_split)) \
+                or self.best_split <= 0:
+            return math.nan
         return self.objective / self.best_split
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out["replicas"] = [list(r) for r in self.replicas]
+        out["placement"] = [list(r) for r in self.placement]
         out["serves_demand"] = self.serves_demand
         for key in ("objective", "best_split", "asked"):  # JSON has no nan
             if not math.isfinite(out[key]):
@@ -199,17 +208,17 @@ def chunk_shape(replica: Any, decodes: int, decode_kv: int, tokens: int,
 
 
 def chunk_rate(replica: Any, decodes: int, decode_kv: int, target_s: float | None,
-               piece: int | None = None) -> float:
+               piece: int | None = None, adapter: bool | None = None) -> float:
     """Chunk tokens per second a replica runs: a full budget of chunks with no decodes, or
     beside them with no target (what the budget leaves them), else the most chunk tokens (a
     multiple of ``min_chunk_tokens``) that fit beside the decodes within the target, per
-    target period (a small floor keeps the rate positive)."""
+    target period (a small floor keeps the rate positive); ``adapter``: ``chunk_shape``'s."""
     cfg = replica.policy.config
     step = cfg.min_chunk_tokens
     if not decodes or target_s is None:
         budget = max(cfg.token_budget - decodes, 1)
         return budget / replica.cost.shape_time(
-            chunk_shape(replica, decodes, decode_kv, budget, piece=piece))
+            chunk_shape(replica, decodes, decode_kv, budget, piece=piece, adapter=adapter))
     lo, hi = 0, cfg.token_budget // step
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -244,7 +253,7 @@ class PlacementPlanner:
         self._piece: int | None = None  # the embedding length of the demand being predicted
         self.kv_tokens = cfg.kv_tokens
         self._full: dict[int, float] = {}  # embedding length -> tokens/s with the whole budget
-        self._times: dict[tuple[int, int, int], float] = {}
+        self._times: dict[tuple, float] = {}
         self._riders: dict[tuple[int, int, int | None], float] = {}
 
     def candidates(self) -> list[Assignment]:
@@ -267,9 +276,7 @@ class PlacementPlanner:
         latencies and the kinds meeting them), and each kind's normalised throughput."""
         self._piece = max(1, round(d.embedding_len))
         emb, gen, tpot, holds, alone, peak = self._throughputs(a, d)
-        gen_ref = self._generation_reference(d)
-        emb_len = max(d.embedding_len, 1.0)
-        emb_ref = self._full_rate(emb_len) / emb_len
+        gen_ref, emb_ref = self._references(d)
         normalised = {"embedding": emb / emb_ref, "generation": gen / gen_ref if gen_ref > 0 else 0.0}
         throughput = normalised["embedding"] + normalised["generation"]
         if self.slo is None:
@@ -334,7 +341,7 @@ class PlacementPlanner:
             return (min(emb_demand, side), 0.0, 0.0, not wants_gen, 0.0,
                     _use(emb_demand, side))
         out = max(d.output_len, 1.0)
-        mid = int(d.prompt_len + out / 2)
+        mid = self._mid(d)
         limit = self.target_s
         t, gen, riding, holds, alone = self._time(1, mid, 0), 0.0, 0.0, True, 0.0
         slots = self._slots(d)
@@ -399,12 +406,16 @@ class PlacementPlanner:
             rate = self._full[piece] = chunk_rate(self.replica, 0, 0, None, piece)
         return rate
 
-    def _time(self, decodes: int, decode_kv: int, prompt_tokens: int) -> float:
-        key = (decodes, decode_kv >> 8, prompt_tokens)
+    def _time(self, decodes: int, decode_kv: int, prompt_tokens: int, riders: int = 0) -> float:
+        """Seconds of an iteration of decodes, prompt chunks and rider (embedding) chunks of
+        the demand's embedding length."""
+        key = (decodes, decode_kv >> 8, prompt_tokens, riders, riders and self._piece)
         t = self._times.get(key)
         if t is None:
             shape = chunk_shape(self.replica, decodes, decode_kv, prompt_tokens,
                                 ItemKind.PREFILL_CHUNK)
+            if riders:
+                shape = chunk_shape(self.replica, 0, 0, riders, piece=self._piece, shape=shape)
             t = self._times[key] = self.replica.cost.shape_time(shape)
         return t
 
@@ -423,32 +434,34 @@ class PlacementPlanner:
         planner's steady-state prediction, not only its ``2N + 1`` assignments, beside the best
         static split's under the same prediction. Each replica may hold any number of decodes
         (at most its slots) and any rider tokens beside them (multiples of
-        ``min_chunk_tokens``) within the target, or embed with its whole budget. A closed
-        loop's generations in flight all decode (up to the replicas' slots), shared out by
-        dynamic programming over the replicas, exactly; each decode ends after ``output_len``
-        iterations and is replaced by a prompt of ``prompt_len`` tokens in its replica's
-        iteration. Kinds whose demand is capped (the embeddings asked for, an open load's
-        generation rate) are bounded through weights: for every weight ``w`` on a capped kind,
-        ``min(x, cap) <= w x + (1 - w) cap``, so the least over ``BOUND_WEIGHTS + 1`` weights of
-        the best placement's weighted sum is still an upper bound (max-min <= min-max). A
-        replica embedding with its whole budget is priced with its adapter merged (``merged``,
-        as the simulator's embedding side runs; the real gateway's engines keep it unmerged:
-        pass False), in the bound and the split alike."""
+        ``min_chunk_tokens``) within the target, or embed with its whole budget. In a closed
+        loop every generation in flight decodes (a placement may not starve a client to serve
+        others more; a fractional count is rounded up), shared out by dynamic programming over
+        the replicas, exactly; each decode ends after ``output_len`` iterations and is replaced
+        by a prompt of ``prompt_len`` tokens in its replica's iteration. Kinds whose demand is
+        capped (the embeddings asked for, an open load's generation rate) are bounded through
+        weights: for every weight ``w`` on a capped kind, ``min(x, cap) <= w x + (1 - w) cap``,
+        so the least over ``BOUND_WEIGHTS + 1`` weights of the best placement's weighted sum is
+        still an upper bound (max-min <= min-max), looser where a cap binds. A replica
+        embedding with its whole budget is priced with its adapter merged (``merged``, as the
+        simulator's embedding side runs; the real gateway's engines keep it unmerged: pass
+        False), in the bound and the split alike."""
         self._piece = max(1, round(d.embedding_len))
-        gen_ref = self._generation_reference(d)
+        gen_ref, emb_ref = self._references(d)
         emb_len = max(d.embedding_len, 1.0)
-        emb_ref = self._full_rate(emb_len) / emb_len
-        full, emb_cap = self._embedding_demand(d)
+        emb_cap = self._embedding_demand(d)[1]
         options = self._replica_options(d)  # decodes -> [(generations/s, embeddings/s, riders)]
-        whole = (self._merged_rate(emb_len) if merged else full) / emb_len
+        whole = (chunk_rate(self.replica, 0, 0, None, self._piece, adapter=False) if merged
+                 else self._full_rate(emb_len)) / emb_len
         options[None] = [(0.0, whole, 0)]  # embedding with the whole budget
         gen_cap = math.inf if d.closed_loop else d.generation_rps
 
         def normalised(gen: float, emb: float) -> float:
-            return (min(gen, gen_cap) / gen_ref if gen_ref > 0 else 0.0) + min(emb, emb_cap) / emb_ref
+            counted = min(gen, gen_cap) / gen_ref if gen_ref > 0 else 0.0
+            return counted + min(emb, emb_cap) / emb_ref
 
         weights = [i / BOUND_WEIGHTS for i in range(BOUND_WEIGHTS + 1)]
-        best, at = -math.inf, ()
+        best, at = math.inf, ()
         for w_emb in weights if emb_cap < math.inf else [1.0]:
             for w_gen in weights if gen_cap < math.inf else [1.0]:
                 per_gen = w_gen / gen_ref if gen_ref > 0 else 0.0
@@ -456,10 +469,14 @@ class PlacementPlanner:
                 total += (1 - w_emb) * emb_cap / emb_ref
                 if gen_cap < math.inf and gen_ref > 0:
                     total += (1 - w_gen) * gen_cap / gen_ref
-                if best == -math.inf or total < best:
-                    # a capped kind's weights' placement is no placement one could run
-                    best, at = total, placement if (w_emb, w_gen) == (1.0, 1.0) else ()
-        splits = [normalised(*self._split(k, options, d)) for k in range(1, self.replicas)]
+                if total < best or best == math.inf:
+                    best, at = total, placement
+        if at:  # reported only where it serves what the bound says (no cap set it lower)
+            sums = [sum(x) for x in zip(*(next(o[:2] for o in options[n] if o[2] == riders)
+                                          for n, riders in at))]
+            if normalised(*sums) < best * (1 - 1e-9):
+                at = ()
+        splits = [normalised(*self._split(k, options, d)) for k in range(self.replicas + 1)]
         splits = [v for v in splits if math.isfinite(v)]
         asked = math.nan if d.closed_loop else normalised(d.generation_rps, d.embedding_rps)
         return Bound(best if math.isfinite(best) else math.nan,
@@ -468,36 +485,39 @@ class PlacementPlanner:
     def _split(self, k: int, options: dict, d: Demand) -> tuple[float, float]:
         """(generations/s, embeddings/s) of the static split with ``k`` replicas decoding
         (the generations spread evenly, no riders) and the rest embedding with their whole
-        budget, from the bound's options (generations/s: -inf where the decodes do not fit)."""
+        budget, from the bound's options; a closed loop's split whose replicas cannot decode
+        every generation in flight within the target has generations/s -inf (as the planner
+        does not hold it); an open load's serves what its replicas hold."""
         emb = (self.replicas - k) * options[None][0][1]
         alone = {n: fits[0][0] for n, fits in options.items() if n is not None}
         if not d.asks_generation:
             return 0.0, emb
+        if k == 0:
+            return -math.inf if d.closed_loop else 0.0, emb
         if d.closed_loop:
-            need = min(round(d.generations), k * self._slots(d))
-            q, extra = divmod(need, k)
+            q, extra = divmod(self._in_flight(d), k)
             if q + (extra > 0) > max(alone, default=0):
                 return -math.inf, emb
             return extra * alone.get(q + 1, 0.0) + (k - extra) * alone.get(q, 0.0), emb
         # open load: the fewest decodes per replica that serve its share, or all it holds
         share = d.generation_rps / k
-        held = [g for n, g in sorted(alone.items()) if g >= share]
-        return k * (share if held else max(alone.values(), default=0.0)), emb
+        most = max(alone.values(), default=0.0)
+        return k * min(share, most), emb
 
     def _replica_options(self, d: Demand) -> dict[int | None, list[tuple[float, float, int]]]:
         """Every way one replica may hold ``n`` decodes within the target: (generations/s,
         embeddings/s, rider tokens per iteration) for each rider count that fits."""
         out_len = max(d.output_len, 1.0)
-        mid = int(d.prompt_len + out_len / 2)
+        mid = self._mid(d)
         emb_len = max(d.embedding_len, 1.0)
         slots = self._slots(d)
-        most = min(slots, round(d.generations)) if d.closed_loop else slots
+        most = min(slots, self._in_flight(d)) if d.closed_loop else slots
         options: dict[int | None, list[tuple[float, float, int]]] = {}
         for n in range(1, most + 1 if d.asks_generation else 1):
             prompt = int(n * d.prompt_len / out_len)
             fits = []
             for riders in range(0, self.budget - n - prompt + 1, self.min_chunk):
-                t = self._iteration(n, n * mid, prompt, riders)
+                t = self._time(n, n * mid, prompt, riders)
                 if t > self.target_s:
                     break
                 fits.append((n / (out_len * t), riders / (emb_len * t), riders))
@@ -510,17 +530,16 @@ class PlacementPlanner:
                         ) -> tuple[float, tuple[tuple[int | None, int], ...]]:
         """The highest sum over the replicas of ``per_gen`` x generations/s + ``per_emb`` x
         embeddings/s, each replica taking one option (a closed loop's decodes adding up to its
-        generations in flight), and the placement."""
+        generations in flight, up to the slots of all replicas), and the placement (-inf and
+        none where no placement decodes them all within the target)."""
         best = {n: max(((per_gen * g + per_emb * e, riders) for g, e, riders in fits),
                        key=lambda x: x[0])
                 for n, fits in options.items()}
         if not d.closed_loop:  # no coupling: every replica takes the best option
             n = max(best, key=lambda k: best[k][0])
             return best[n][0] * self.replicas, ((n, best[n][1]),) * self.replicas
-        # every generation in flight decodes (none is left waiting to gain elsewhere), up to
-        # the slots of all replicas; decodes placed so far -> (value, placement)
-        need = min(round(d.generations), self.replicas * self._slots(d))
-        states: dict[int, tuple[float, tuple]] = {0: (0.0, ())}
+        need = min(self._in_flight(d), self.replicas * self._slots(d))
+        states: dict[int, tuple[float, tuple]] = {0: (0.0, ())}  # decodes placed -> best so far
         for _ in range(self.replicas):
             nxt: dict[int, tuple[float, tuple]] = {}
             for used, (v, placement) in states.items():
@@ -529,29 +548,31 @@ class PlacementPlanner:
                     if total <= need and (total not in nxt or nxt[total][0] < v + gain):
                         nxt[total] = (v + gain, placement + ((n, riders),))
             states = nxt
-        if need not in states:  # no placement decodes them all within the target
+        if need not in states:
             return -math.inf, ()
         v, placement = states[need]
         return v, tuple(sorted(placement, key=lambda r: -1 if r[0] is None else r[0]))
 
+    def _references(self, d: Demand) -> tuple[float, float]:
+        """What one replica dedicated to each kind serves (generations/s, embeddings/s): the
+        units of normalised throughput."""
+        emb_len = max(d.embedding_len, 1.0)
+        return self._generation_reference(d), self._full_rate(emb_len) / emb_len
+
+    @staticmethod
+    def _mid(d: Demand) -> int:
+        """A decode's context at mid-output: what the decodes hold on average."""
+        return int(d.prompt_len + max(d.output_len, 1.0) / 2)
+
+    @staticmethod
+    def _in_flight(d: Demand) -> int:
+        """A closed loop's generations in flight, whole (a fractional count rounded up)."""
+        return math.ceil(d.generations - 1e-9)
+
     def _slots(self, d: Demand) -> int:
         """Decodes one replica holds: ``max_num_seqs``, or its KV cache with every decode at
-        mid-output (what they hold on average)."""
-        mid = int(d.prompt_len + max(d.output_len, 1.0) / 2)
-        return min(self.max_seqs, max(1, self.kv_tokens // mid))
-
-    def _iteration(self, decodes: int, decode_kv: int, prompt_tokens: int, riders: int) -> float:
-        """Seconds of an iteration of decodes, prompt chunks and rider (embedding) chunks."""
-        shape = chunk_shape(self.replica, decodes, decode_kv, prompt_tokens, ItemKind.PREFILL_CHUNK)
-        shape = chunk_shape(self.replica, 0, 0, riders, piece=self._piece, shape=shape)
-        return self.replica.cost.shape_time(shape)
-
-    def _merged_rate(self, embedding_len: float) -> float:
-        """Embedding tokens/s of a replica embedding with its whole budget and its adapter
-        merged into the weights (as the simulator's embedding side runs)."""
-        piece = max(1, round(embedding_len))
-        shape = chunk_shape(self.replica, 0, 0, self.budget, piece=piece, adapter=False)
-        return self.budget / self.replica.cost.shape_time(shape)
+        mid-output."""
+        return min(self.max_seqs, max(1, self.kv_tokens // self._mid(d)))
 
     # ----- the choice -----------------------------------------------------------------------
     def plan(self, d: Demand, current: Assignment | None = None) -> Prediction:

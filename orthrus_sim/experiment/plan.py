@@ -8,6 +8,7 @@ as vLLM's pooling runner with mean pooling) and homogeneous FCFS batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from orthrus_sim.costmodel import (
@@ -21,6 +22,7 @@ from orthrus_sim.costmodel import (
     kv_cache_blocks,
     load_calibration,
 )
+from orthrus_sim.costmodel.factors import apply_factors
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.registry import resolve_policy
 from orthrus_sim.experiment.scenario import UNIFIED, Scenario, is_unified, split_gpus
@@ -63,6 +65,14 @@ def coefficients(scenario: Scenario) -> Coefficients:
 def cost_factors(scenario: Scenario):
     """The calibration's fitted ``CostFactors`` (None: none, the cost model as calibrated)."""
     return load_calibration(scenario.calibration).cost_factors() if scenario.calibration else None
+
+
+def replica_cost(scenario: Scenario) -> Callable[[ReplicaPlan], CostModel]:
+    """The cost model each replica of the scenario runs on: its plan's, with the calibration's
+    coefficients and fitted factors (read once)."""
+    hw, coeffs, factors = get_hardware(scenario.hardware), coefficients(scenario), \
+        cost_factors(scenario)
+    return lambda plan: apply_factors(plan.cost_model(hw, coeffs), factors)
 
 
 def embedding_lora(scenario: Scenario) -> LoRASpec | None:

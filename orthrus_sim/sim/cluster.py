@@ -7,10 +7,9 @@ from collections.abc import Callable
 import simpy
 
 from orthrus_sim.costmodel import CostModelPredictor, get_hardware, get_model
-from orthrus_sim.costmodel.factors import apply_factors
 from orthrus_sim.engine.registry import make_policy
 from orthrus_sim.engine.request import Request, RequestState
-from orthrus_sim.experiment.plan import coefficients, cost_factors, plan_configuration
+from orthrus_sim.experiment.plan import cost_factors, plan_configuration, replica_cost
 from orthrus_sim.experiment.routing import RouterRule
 from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.sim.replica import Replica
@@ -36,13 +35,13 @@ class Cluster:
         self.on_done = on_done
         self.plans = plan_configuration(scenario, name)
         self.hardware = get_hardware(scenario.hardware)
-        coeffs = coefficients(scenario)
         factors = cost_factors(scenario)
+        priced = replica_cost(scenario)
 
         def cost(plan):
             if cost_factory is not None:  # tests replace the roofline
                 return cost_factory(plan.model, plan.lora)
-            return apply_factors(plan.cost_model(self.hardware, coeffs), factors)
+            return priced(plan)
 
         def replica(i, plan):
             model = cost(plan)
