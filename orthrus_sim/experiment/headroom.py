@@ -117,12 +117,11 @@ def _latencies(planner: PlacementPlanner, d: Demand) -> tuple[float, float]:
     serving = [p for p in (planner.predict(a, d) for a in planner.candidates())
                if p.feasible and (p.generation_rps > 0 or not d.asks_generation)
                and (p.embedding_rps > 0 or not d.asks_embedding)]
-    if not serving:
-        raise ValueError("scheduler.tpot_target_s: no assignment of the replicas serves both "
-                         "kinds of this closed loop within the target")
-    p = max(serving, key=lambda q: q.objective)
-    lat = planner.latencies(p.assignment, d, p.embedding_rps, p.generation_rps, p.tpot_s)
-    gen_s, emb_s = lat.get("e2e_s", 0.0), lat["latency_s"]
+    gen_s = emb_s = math.inf
+    if serving:
+        p = max(serving, key=lambda q: q.objective)
+        lat = planner.latencies(p.assignment, d, p.embedding_rps, p.generation_rps, p.tpot_s)
+        gen_s, emb_s = lat.get("e2e_s", 0.0), lat["latency_s"]
     if not (math.isfinite(gen_s) and math.isfinite(emb_s)):
         raise ValueError("scheduler.tpot_target_s: no assignment of the replicas serves both "
                          "kinds of this closed loop within the target")

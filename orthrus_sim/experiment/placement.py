@@ -499,7 +499,7 @@ class PlacementPlanner:
             if q + (extra > 0) > max(alone, default=0):
                 return -math.inf, emb
             return extra * alone.get(q + 1, 0.0) + (k - extra) * alone.get(q, 0.0), emb
-        # open load: the fewest decodes per replica that serve its share, or all it holds
+        # open load: each replica serves its share of the rate, or the most one holds
         share = d.generation_rps / k
         most = max(alone.values(), default=0.0)
         return k * min(share, most), emb
