@@ -51,7 +51,10 @@ from rich.table import Table
 
 from orthrus_sim.costmodel import load_calibration, save_calibration
 from orthrus_sim.costmodel.calibration import CostFactorsModel
-from orthrus_sim.evaluation import (
+from orthrus_sim.experiment.measured import MeasuredRun, run_metrics
+from orthrus_sim.experiment.results import _get
+from orthrus_sim.experiment.scenario import apply_overrides, parse_scenario, read_scenario
+from orthrus_sim.questions.evaluation import (
     BY_NAME,
     Evaluator,
     Simulations,
@@ -60,11 +63,8 @@ from orthrus_sim.evaluation import (
     jacobian,
     metric_value,
 )
-from orthrus_sim.experiment.measured import MeasuredRun, run_metrics
-from orthrus_sim.experiment.results import _get
-from orthrus_sim.experiment.scenario import apply_overrides, parse_scenario, read_scenario
-from orthrus_sim.fit import fit
-from orthrus_sim.ranges import predict, sampling_bound, suggest, suggest_run
+from orthrus_sim.questions.fit import fit
+from orthrus_sim.questions.predict import predict, sampling_bound, suggest, suggest_run
 from orthrus_sim.sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -40,7 +40,7 @@ from orthrus_sim.costmodel import load_calibration, save_calibration
 from orthrus_sim.costmodel.calibration import CostFactorsModel
 from orthrus_sim.experiment.measured import MeasuredRun, run_metrics
 from orthrus_sim.experiment.scenario import load_scenario
-from orthrus_sim.fit import fit
+from orthrus_sim.questions.fit import fit
 from orthrus_sim.sim.run import simulate
 
 SHARES = (0.1, 0.5, 0.9)

@@ -50,7 +50,7 @@ AREAS = [
     ("metrics and request log", "orthrus_sim/sim/metrics.py"),
     ("metrics and request log", "orthrus_sim/experiment/results.py"),
     ("metrics and request log", "orthrus_sim/experiment/quantiles.py"),
-    ("router and cluster", "orthrus_sim/experiment/routing.py"),
+    ("router and cluster", "orthrus_sim/routing/rules.py"),
     ("router and cluster", "orthrus_sim/sim/cluster.py"),
     ("replica process", "orthrus_sim/sim/replica.py"),
     ("workload and driver", "orthrus_sim/sim/driver.py"),

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orthrus_sim.experiment.scenario import read_scenario, scenario_path
-from orthrus_sim.sweep import run_sweep
+from orthrus_sim.questions.sweep import run_sweep
 
 BUDGETS = "1024,2048,3072,4096"
 

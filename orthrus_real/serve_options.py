@@ -87,7 +87,7 @@ Devices = Annotated[str | None, typer.Option(
     "--devices", help="with --replicas: each replica's device, cuda:0,cuda:1 or cpu:0,cpu:1 (CPU "
     "core sets: cpu:0-1,cpu:2-3)")]
 Router = Annotated[str | None, typer.Option(
-    "--router", help="with --replicas: the routing rule (orthrus_sim.experiment.routing.ROUTERS; "
+    "--router", help="with --replicas: the routing rule (orthrus_sim.routing.rules.ROUTERS; "
     "default the scenario's cluster.router, round-robin)")]
 AutoRestart = Annotated[bool, typer.Option(
     "--auto-restart", help="with --replicas: start a replica that died again by itself")]

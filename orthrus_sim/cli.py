@@ -48,7 +48,7 @@ def run(
 ) -> None:
     """Run every configuration listed in the scenario and compare them."""
     from orthrus_sim.experiment.scenario import load_scenario
-    from orthrus_sim.runner import run_scenario
+    from orthrus_sim.questions.run import run_scenario
 
     try:
         sc = load_scenario(scenario, set_)
@@ -61,7 +61,7 @@ def run(
 
 
 def _calibration_warning(sc) -> None:
-    from orthrus_sim.machine import scenario_warning
+    from orthrus_sim.costmodel.machine import scenario_warning
 
     warning = scenario_warning(sc)
     if warning:
@@ -86,7 +86,7 @@ def sweep(
     """Run a parameter grid (all configurations at each point) in parallel, on local
     processes or a Ray cluster; resumable."""
     from orthrus_sim.experiment.scenario import read_scenario, scenario_path
-    from orthrus_sim.sweep import run_sweep
+    from orthrus_sim.questions.sweep import run_sweep
 
     if ray is not None and ray not in ("auto", "local"):
         fail(f"--ray must be auto or local, got {ray!r}")
@@ -143,8 +143,8 @@ def capacity(
     """Per configuration: the highest offered open-loop rate (the scenario's mix) that meets
     the scenario's SLOs at the required attainment, and the fewest GPUs that serve a given rate
     of each kind; bisection over simulator runs, in parallel through the sweep backend."""
-    from orthrus_sim.capacity import run_capacity
     from orthrus_sim.experiment.scenario import load_scenario
+    from orthrus_sim.questions.capacity import run_capacity
 
     if ray is not None and ray not in ("auto", "local"):
         fail(f"--ray must be auto or local, got {ray!r}")
@@ -216,8 +216,8 @@ def fit(
     from orthrus_sim.costmodel import save_calibration
     from orthrus_sim.experiment.measured import load_measured
     from orthrus_sim.experiment.scenario import load_scenario
-    from orthrus_sim.fit import fit as run_fit
-    from orthrus_sim.fit import fit_json
+    from orthrus_sim.questions.fit import fit as run_fit
+    from orthrus_sim.questions.fit import fit_json
 
     if fmt not in ("table", "json"):
         fail(f"--format must be table or json, got {fmt!r}")
@@ -286,8 +286,8 @@ def _predictions(sc, cal, configs: list[str], workers: int,
     single metrics, and the one run that would remove most."""
     import os
 
-    from orthrus_sim.ranges import SEEDS, suggest, suggest_run
-    from orthrus_sim.ranges import predict as run_predict
+    from orthrus_sim.questions.predict import SEEDS, suggest, suggest_run
+    from orthrus_sim.questions.predict import predict as run_predict
 
     with console.status("predicting ..."):
         ranges = run_predict(sc, cal, configs, workers or os.cpu_count() or 1,
@@ -309,7 +309,7 @@ def _window_s(sc) -> float | None:
 
 
 def _predictions_doc(ranges: list, nexts: list, runs: list, duration_s: float | None) -> dict:
-    from orthrus_sim.ranges import sampling_bound
+    from orthrus_sim.questions.predict import sampling_bound
 
     bound = sampling_bound(ranges, duration_s)
     return {"ranges": [r.as_dict() for r in ranges], "measure_next": [s.as_dict() for s in nexts],
@@ -319,7 +319,7 @@ def _predictions_doc(ranges: list, nexts: list, runs: list, duration_s: float | 
 
 def _print_predictions(name: str, source: str, cal, ranges: list, nexts: list, runs: list,
                        duration_s: float | None) -> None:
-    from orthrus_sim.ranges import sampling_bound
+    from orthrus_sim.questions.predict import sampling_bound
 
     table = Table(title=f"{name}: predictions with ranges ({escape(source)})")
     for col in ("configuration", "metric", "point", "low", "high", "expected", "low end",
@@ -424,8 +424,8 @@ def headroom(
     and an upper bound on any placement of the cluster's replicas within the TPOT target
     (docs/scheduler.md, "What any placement could serve"). The scenario's configurations are
     not run: with another cluster.gpus, set configurations=[orthrus] too."""
-    from orthrus_sim.experiment.headroom import headroom as weigh
     from orthrus_sim.experiment.scenario import load_scenario
+    from orthrus_sim.questions.headroom import headroom as weigh
 
     if fmt not in ("table", "json"):
         fail(f"--format must be table or json, got {fmt!r}")
@@ -481,7 +481,7 @@ def _print_headroom(h) -> None:
 
 
 def _print_fit(result) -> None:
-    from orthrus_sim.evaluation import BY_NAME
+    from orthrus_sim.questions.evaluation import BY_NAME
 
     params = Table(title=f"fitted factors ({result.evaluations} simulations)")
     for col in ("parameter", "value", "prior", "bounds", "status", "sensitivity", "meaning"):
@@ -516,8 +516,8 @@ def catalogue() -> None:
     """List the known hardware, models, shipped scenarios, calibrations and routers."""
     from orthrus_sim import data_dir
     from orthrus_sim.costmodel import HARDWARE, MODEL_CONFIGS, get_model
-    from orthrus_sim.experiment.routing import ROUTERS
     from orthrus_sim.experiment.scenario import shipped_calibrations
+    from orthrus_sim.routing.rules import ROUTERS
 
     hw = Table(title="hardware")
     for col in ("name", "bf16 TFLOP/s", "mem GB/s", "memory GB", "link GB/s"):

@@ -55,12 +55,12 @@ from orthrus_real.measure.bench import mean_metrics, spread
 from orthrus_real.measure.validate import _free_port, compare, mape_summary, serve_and_bench
 from orthrus_sim.costmodel import calibrated_predictor, save_calibration
 from orthrus_sim.costmodel.iteration_check import iteration_residuals, load_iterations
+from orthrus_sim.costmodel.machine import this_machine
 from orthrus_sim.experiment.measured import load_measured, only_kind
 from orthrus_sim.experiment.results import results_doc, write_json
 from orthrus_sim.experiment.scenario import parse_scenario, read_scenario, scenario_dump
-from orthrus_sim.fit import fit
-from orthrus_sim.machine import this_machine
-from orthrus_sim.ranges import predict
+from orthrus_sim.questions.fit import fit
+from orthrus_sim.questions.predict import predict
 from orthrus_sim.sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]

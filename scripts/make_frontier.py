@@ -96,8 +96,8 @@ def headroom_at(share: float, target_set: str) -> dict:
     """What any placement could serve at this share and target, over the best static split,
     under the simulator's cost model (``orthrus-sim headroom``: the bound on every spread of
     decodes and riders over the replicas)."""
-    from orthrus_sim.experiment.headroom import headroom
     from orthrus_sim.experiment.scenario import load_scenario
+    from orthrus_sim.questions.headroom import headroom
 
     b = headroom(load_scenario(SCENARIO, [f"workload.generation_share={share}", target_set])).bound
     return b.as_dict()  # JSON: null where a figure is missing

@@ -28,8 +28,8 @@ import yaml
 from rich.console import Console
 
 from orthrus_sim.experiment.scenario import parse_scenario
-from orthrus_sim.runner import run_scenario
-from orthrus_sim.sweep import run_sweep
+from orthrus_sim.questions.run import run_scenario
+from orthrus_sim.questions.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -11,7 +11,7 @@ target: Orthrus with ``scheduler.tpot_target_s`` at 1.5x Dedicated-1:3's TPOT p5
 point (the frontier's "decode-only step"; ``waiting_work`` is then prompt+output by default),
 each rule and adaptive placement.
 
-Every run goes through the sweep backend (``orthrus_sim.sweep.run_sweep``: one point per rule,
+Every run goes through the sweep backend (``orthrus_sim.questions.sweep.run_sweep``: one point per rule,
 local worker processes; its files under out/routing/). Writes docs/routing/routing.json (every
 row) and the tables between the ``<!-- make_routing:NAME -->`` markers of docs/routing.md (the
 prose around them is kept). Deterministic: the simulator is.
@@ -30,7 +30,7 @@ import yaml
 from doc_sections import write_section  # beside this script
 from rich.console import Console
 
-from orthrus_sim.sweep import run_sweep
+from orthrus_sim.questions.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ROOT / "scenarios"

@@ -101,7 +101,7 @@ def test_calibration_records_its_machine_and_validate_bench_warn_elsewhere(calib
                                                                            tmp_path):
     from orthrus_real.engine.device import environment_check
     from orthrus_sim.costmodel import save_calibration
-    from orthrus_sim.machine import this_machine
+    from orthrus_sim.costmodel.machine import this_machine
 
     cal = load_calibration(calibration)
     here = this_machine()

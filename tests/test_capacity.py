@@ -11,11 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from orthrus_sim.capacity import Bracket, family_members, grid_steps, open_loop_load, scaled_scenario
 from orthrus_sim.cli import app
 from orthrus_sim.experiment.scenario import parse_scenario
+from orthrus_sim.questions.capacity import (
+    Bracket,
+    family_members,
+    grid_steps,
+    open_loop_load,
+    scaled_scenario,
+)
+from orthrus_sim.questions.sweep import Point, point_runner, run_local
 from orthrus_sim.sim.run import simulate
-from orthrus_sim.sweep import Point, point_runner, run_local
 
 runner = CliRunner()
 REQUIRED = 0.95

@@ -625,7 +625,7 @@ def test_the_predicting_rules_route_over_real_replicas(tiny_models):
     embeddings to replica 1, and release empties the books (no processes needed)."""
     from orthrus_real.cluster.machine_plan import ClusterArgs, make_replicas
     from orthrus_sim.engine.request import Request, RequestKind
-    from orthrus_sim.experiment.routing import make_router
+    from orthrus_sim.routing.rules import make_router
 
     sc = parse_scenario({"name": "t", "num_requests": 1, "model": str(tiny_models["llama"]),
                          "cluster": {"gpus": 2, "router": "least-predicted-time"},
@@ -670,7 +670,7 @@ def test_adaptive_placement_packs_generations_over_real_replicas(tiny_models):
     embeddings go where they finish first (mostly the other), as in the simulator's cluster."""
     from orthrus_real.cluster.machine_plan import ClusterArgs, make_replicas
     from orthrus_sim.engine.request import Request, RequestKind
-    from orthrus_sim.experiment.routing import AdaptivePlacement, make_router
+    from orthrus_sim.routing.rules import AdaptivePlacement, make_router
 
     # the tiny model's decode step is predicted at ~2 ms: a 5 ms target leaves room to pack
     sc = parse_scenario({"name": "t", "num_requests": 1, "model": str(tiny_models["llama"]),
@@ -701,7 +701,7 @@ def test_the_gateway_plans_for_the_clients_its_scenario_has(tiny_models):
     from orthrus_real.cluster.machine_plan import ClusterArgs, make_replicas
     from orthrus_real.cluster.replicas import ServeOptions
     from orthrus_real.cluster.serve import cluster_scenario, make_gateway
-    from orthrus_sim.experiment.routing import AdaptivePlacement
+    from orthrus_sim.routing.rules import AdaptivePlacement
 
     model = str(tiny_models["llama"])
     opts = ServeOptions(model)

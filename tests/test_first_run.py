@@ -83,7 +83,7 @@ def test_json_output_is_only_json_for_runs_and_resumed_sweeps(tmp_path):
 
 
 def test_plots_label_gpus_number_narrow_axes_and_show_a_2d_grid(tmp_path, monkeypatch):
-    from orthrus_sim import plots
+    from orthrus_sim.questions import plots
 
     seen = {}
     finish = plots._finish

@@ -13,10 +13,10 @@ from orthrus_sim.cli import app
 from orthrus_sim.costmodel import load_calibration, save_calibration
 from orthrus_sim.costmodel.calibration import CostFactorsModel, EnvironmentModel
 from orthrus_sim.costmodel.factors import CostFactors, FactoredCostModel
+from orthrus_sim.costmodel.machine import environment_warning, this_machine
 from orthrus_sim.experiment.measured import load_measured, only_kind
 from orthrus_sim.experiment.scenario import parse_scenario
-from orthrus_sim.fit import fit
-from orthrus_sim.machine import environment_warning, this_machine
+from orthrus_sim.questions.fit import fit
 from orthrus_sim.sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]

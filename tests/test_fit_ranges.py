@@ -15,7 +15,7 @@ from orthrus_sim.cli import app
 from orthrus_sim.costmodel import load_calibration
 from orthrus_sim.experiment.measured import load_measured
 from orthrus_sim.experiment.scenario import parse_scenario
-from orthrus_sim.ranges import SHRINK
+from orthrus_sim.questions.ranges import SHRINK
 from orthrus_sim.sim.run import simulate
 from tests.test_fit import scenario_raw, with_factors
 
@@ -166,7 +166,7 @@ def test_a_prediction_range_carries_its_own_sampling_spread(tmp_path):
     """A prediction is one sample of a finite window: the point under other seeds spreads, and
     that spread widens the range on both sides (in quadrature with the parameters' extremes),
     even for a calibration with no fitted ranges, and never narrows a parameter's extreme."""
-    from orthrus_sim.ranges import Range, _widened, predict
+    from orthrus_sim.questions.predict import Range, _widened, predict
 
     cal_path = with_factors(tmp_path, embedding_scale=1.2)
     sc = parse_scenario(scenario_raw(cal_path))
@@ -199,7 +199,7 @@ def test_the_expected_value_runs_more_seeds_until_its_spread_is_under_the_parame
     seeds' sd over the root of their number): ``predict`` adds seeds until that spread is at
     most half the parameters' smaller move, or 1 %, never past ``seeds``; a run's range keeps
     the spread of one run."""
-    from orthrus_sim.ranges import FIRST_SEEDS, _seeds_needed, predict
+    from orthrus_sim.questions.predict import FIRST_SEEDS, _seeds_needed, predict
 
     runs = [{"throughput_rps": {"embedding": v}} for v in (9.5, 10.5, 9.6, 10.4)]
     spread = [10.0, 9.5, 10.5, 9.6, 10.4]
@@ -230,7 +230,7 @@ def test_a_range_end_on_a_bound_stays_inside_it():
     import numpy as np
 
     from orthrus_sim.costmodel.factors import CostFactors
-    from orthrus_sim.evaluation import BY_NAME, factors_at
+    from orthrus_sim.questions.evaluation import BY_NAME, factors_at
 
     at = factors_at(CostFactors(), ["overlap", "embedding_scale"],
                     np.array([-1.3877787807814457e-17, BY_NAME["embedding_scale"].z_bounds[1] + 1e-15]))
@@ -244,7 +244,7 @@ def test_a_range_that_is_mostly_sampling_spread_is_named_with_what_narrows_it(tm
     """When the widest range is mostly the prediction's own sampling spread, no measurement of
     the fit's configurations narrows it: ``predict`` says so (table and JSON) instead of leaving
     the user to measure something that cannot help; a range the parameters make is not named."""
-    from orthrus_sim.ranges import Range, sampling_bound
+    from orthrus_sim.questions.predict import Range, sampling_bound
 
     params = Range("orthrus", "throughput_rps.embedding", 10.0, 8.0, 12.0, None, None,
                    [8.5, 11.5], 0.02)  # 40 % wide, 30 % of it the parameters'
@@ -302,8 +302,8 @@ def test_a_range_turns_the_corner_of_an_overhead_that_hides_a_scale():
     import numpy as np
 
     from orthrus_sim.costmodel.factors import CostFactors
-    from orthrus_sim.evaluation import BY_NAME
-    from orthrus_sim.ranges import Z, _corners, _refitted_ends, _Trials
+    from orthrus_sim.questions.evaluation import BY_NAME
+    from orthrus_sim.questions.ranges import Z, _corners, _refitted_ends, _Trials
 
     ev, fitted = _LValley(), ["embedding_scale", "decode_scale"]
     at = CostFactors(embedding_scale=3.0, decode_scale=1.0)
@@ -328,7 +328,7 @@ def test_a_range_turns_the_corner_of_an_overhead_that_hides_a_scale():
                     lambda _m: None) == {}
     # the fit's report says the fitted scale holds only on the first arm
     from orthrus_sim.costmodel.calibration import RangeEndModel
-    from orthrus_sim.fit import _trade_notes
+    from orthrus_sim.questions.fit import _trade_notes
 
     end = RangeEndModel(parameter="embedding_overhead_s", side="high", then="embedding_scale low",
                         factors=far.as_dict(), growth=0.0, at_bound=True)
@@ -345,7 +345,7 @@ def test_one_more_run_pins_two_drivers_that_no_one_metric_pins():
     from types import SimpleNamespace
 
     from orthrus_sim.costmodel.calibration import CandidateModel, RangeEndModel
-    from orthrus_sim.ranges import Range, suggest, suggest_run
+    from orthrus_sim.questions.predict import Range, suggest, suggest_run
 
     def cand(at, metric, value, kind=None):
         return CandidateModel(configuration="dedicated-1:3", at=[f"workload.generation_share={at}"],

@@ -17,14 +17,14 @@ from typer.testing import CliRunner
 from orthrus_sim.cli import app as sim_app
 from orthrus_sim.costmodel import CostModel, LoRASpec, get_hardware, get_model
 from orthrus_sim.engine import SchedulerConfig
-from orthrus_sim.experiment.headroom import (
+from orthrus_sim.experiment.scenario import load_scenario
+from orthrus_sim.questions.headroom import (
     _latencies,
     headroom,
     scenario_demand,
     scenario_planner,
 )
-from orthrus_sim.experiment.placement import Assignment, Demand, PlacementPlanner, chunk_rate
-from orthrus_sim.experiment.scenario import load_scenario
+from orthrus_sim.routing.placement import Assignment, Demand, PlacementPlanner, chunk_rate
 
 COST = CostModel(get_hardware("a100-40gb"), get_model("mistral-7b-v0.1"), lora=LoRASpec(16))
 runner = CliRunner()

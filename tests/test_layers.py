@@ -1,6 +1,6 @@
-"""The house's floors: the core and the experiment layer import neither SimPy nor torch, the
-real executors import neither the simulator nor matplotlib when they load, no modules import
-each other in a circle, and orthrus_real's rooms import only from the rooms below them."""
+"""The house's floors: the core, the experiment layer and routing import neither SimPy nor
+torch, the real executors import neither the simulator nor matplotlib when they load, no modules
+import each other in a circle, and each package's rooms import only from the rooms below them."""
 
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ def modules(package: str, recursive: bool = False) -> list[str]:
     return found
 
 
-def test_core_and_experiment_layer_need_no_simpy_or_torch():
+def test_core_experiment_and_routing_need_no_simpy_or_torch():
     loaded = loaded_after(["orthrus_sim.engine", *modules("orthrus_sim.engine"),
-                           *modules("orthrus_sim.experiment"), "orthrus_sim.costmodel"])
+                           *modules("orthrus_sim.experiment"), *modules("orthrus_sim.routing"),
+                           "orthrus_sim.costmodel", *modules("orthrus_sim.costmodel")])
     assert not {"simpy", "torch", "matplotlib"} & loaded
     assert not any(m.startswith("orthrus_sim.sim") for m in loaded)
 
@@ -106,28 +107,44 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-COMMAND_LINE = ("cli", "serve_options")  # orthrus_real's top-level modules: the top floor
+# orthrus_sim's rooms, bottom floor first: the core, the cost model, what describes an
+# experiment, routing and placement across replicas (the simulator's and the real gateway's),
+# the simulator, the questions a user asks (run, sweep, capacity, headroom, fit, predict), and
+# the command line on top
+SIM_FLOORS = ["engine", "costmodel", "experiment", "routing", "sim", "questions", "cli"]
+FLOORS = {"orthrus_real": REAL_FLOORS, "orthrus_sim": SIM_FLOORS}
+# each package's top-level modules: the command line and its helpers, the top floor
+COMMAND_LINE = {"orthrus_real": ("cli", "serve_options"), "orthrus_sim": ("cli", "console")}
 
 
-def real_room(module: str) -> str:
+def room(module: str) -> str:
     """``orthrus_real.server.api.errors`` -> ``server``; the command line's modules -> ``cli``."""
-    if module == "orthrus_real":
-        return "engine"  # the package's __init__, empty: below everything
-    room = module.split(".")[1]
-    if room in COMMAND_LINE:
+    package, *rest = module.split(".")
+    if not rest:
+        return FLOORS[package][0]  # the package's __init__ (version, data folders): below everything
+    if rest[0] in COMMAND_LINE[package]:
         return "cli"
-    assert room in REAL_FLOORS, f"{module}: room {room!r} is on no floor of REAL_FLOORS"
-    return room
+    assert len(rest) > 1 or (ROOT / package / rest[0]).is_dir(), \
+        f"{module}: a module at the top of {package}, where only the command line lives"
+    assert rest[0] in FLOORS[package], f"{module}: room {rest[0]!r} is on no floor of {package}"
+    return rest[0]
 
 
 def test_no_two_modules_import_each_other_in_any_circle():
     assert cycles(import_graph()) == []
 
 
-def test_every_orthrus_real_module_is_in_a_known_room():
+def test_every_module_is_in_a_known_room():
     for module in import_graph():
-        if module.startswith("orthrus_real"):
-            real_room(module)
+        room(module)
+
+
+def test_a_module_at_the_top_or_in_no_known_room_is_named():
+    with pytest.raises(AssertionError, match="at the top of orthrus_sim"):
+        room("orthrus_sim.fit")
+    with pytest.raises(AssertionError, match="on no floor"):
+        room("orthrus_sim.tools.fit")
+    assert room("orthrus_sim.questions.fit") == "questions" and room("orthrus_sim.console") == "cli"
 
 
 def test_cycle_finder_finds_a_pair_and_a_ring():
@@ -135,12 +152,14 @@ def test_cycle_finder_finds_a_pair_and_a_ring():
     assert sorted(cycles(graph)) == [["a", "b"], ["c", "d", "e"]]
 
 
-def test_orthrus_real_rooms_import_only_downward():
+@pytest.mark.parametrize("package", sorted(FLOORS))
+def test_rooms_import_only_downward(package):
     graph = import_graph()
+    floors = FLOORS[package]
     upward = sorted(
-        f"{a} -> {b}" for a, targets in graph.items() if a.startswith("orthrus_real.")
-        for b in targets if b.startswith("orthrus_real.")
-        and REAL_FLOORS.index(real_room(b)) > REAL_FLOORS.index(real_room(a)))
+        f"{a} -> {b}" for a, targets in graph.items() if a.split(".")[0] == package
+        for b in targets if b.split(".")[0] == package
+        and floors.index(room(b)) > floors.index(room(a)))
     assert upward == []
 
 

@@ -1,4 +1,4 @@
-"""The least-predicted-time rule of the one router (orthrus_sim/experiment/routing.py)."""
+"""The least-predicted-time rule of the one router (orthrus_sim/routing/rules.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from hypothesis import strategies as st
 
 from orthrus_sim.costmodel import CostModel, get_hardware, get_model
 from orthrus_sim.engine import Request, RequestKind, SchedulerConfig
-from orthrus_sim.experiment.routing import (
+from orthrus_sim.experiment.scenario import load_scenario
+from orthrus_sim.routing.rules import (
     ROLES_FOR,
     ROUTERS,
     LeastPredictedTime,
     _Load,
     make_router,
 )
-from orthrus_sim.experiment.scenario import load_scenario
 from orthrus_sim.sim.run import simulate
 from tests.test_routing import COST, FakePolicy, FakeReplica
 

@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from orthrus_sim import safe_name
 from orthrus_sim.engine.request import RequestKind
 from orthrus_sim.experiment.quantiles import Quantiles, summarize, summary
 from orthrus_sim.experiment.results import MeasurementWindow
@@ -23,8 +24,7 @@ from orthrus_sim.experiment.workload import (
     interpret,
     run_async,
 )
-from orthrus_sim.files import safe_name
-from orthrus_sim.runner import in_processes
+from orthrus_sim.questions.run import in_processes
 
 
 def spec(i: int) -> RequestSpec:

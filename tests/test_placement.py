@@ -1,4 +1,4 @@
-"""The placement planner (orthrus_sim/experiment/placement.py) and the adaptive router over it."""
+"""The placement planner (orthrus_sim/routing/placement.py) and the adaptive router over it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from orthrus_sim.costmodel import CostModel, LoRASpec, get_hardware, get_model
 from orthrus_sim.engine import SchedulerConfig
-from orthrus_sim.experiment.placement import Assignment, Demand, PlacementPlanner
 from orthrus_sim.experiment.scenario import load_scenario
+from orthrus_sim.routing.placement import Assignment, Demand, PlacementPlanner
 from orthrus_sim.sim.run import simulate
 
 COST = CostModel(get_hardware("a100-40gb"), get_model("mistral-7b-v0.1"), lora=LoRASpec(16))

@@ -1,4 +1,4 @@
-"""The one router (orthrus_sim/experiment/routing.py): round-robin, least-work, adaptive."""
+"""The one router (orthrus_sim/routing/rules.py): round-robin, least-work, adaptive."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from orthrus_sim.costmodel import CostModel, LoRASpec, get_hardware, get_model
 from orthrus_sim.engine import Request, RequestKind, SchedulerConfig
-from orthrus_sim.experiment.placement import Assignment
-from orthrus_sim.experiment.routing import AdaptivePlacement, Router, make_router
 from orthrus_sim.experiment.scenario import load_scenario
+from orthrus_sim.routing.placement import Assignment
+from orthrus_sim.routing.rules import AdaptivePlacement, Router, make_router
 from orthrus_sim.sim.run import simulate
 
 COST = CostModel(get_hardware("a100-40gb"), get_model("mistral-7b-v0.1"), lora=LoRASpec(16))
@@ -191,7 +191,7 @@ def test_a_burst_past_the_decoding_side_waits_instead_of_taking_an_embedding_rep
     KV, and a bigger decoding side would cost the embeddings more than the burst gains: the
     generation waits there, and the plan is not moved. Further past it, or with no embedding
     demand, the side grows as before."""
-    from orthrus_sim.experiment.routing import BURST_SLACK
+    from orthrus_sim.routing.rules import BURST_SLACK
 
     small = SchedulerConfig(token_budget=2048, chunk_size=512, tpot_target_s=TARGET,
                             num_blocks=808)  # 12,928 KV tokens: twenty 640-token generations
@@ -223,7 +223,7 @@ def test_the_burst_slack_is_the_stray_of_the_sides_count_in_flight():
     ``BURST_SLACK``: a side of four 256-slot replicas lets 9.4 % wait, one of two the cap's
     10 % (13 % uncapped), where a fixed 5 % grew a copied split for the noise of a steady
     stream's count in flight."""
-    from orthrus_sim.experiment.routing import BURST_SLACK
+    from orthrus_sim.routing.rules import BURST_SLACK
 
     roomy = SchedulerConfig(token_budget=2048, chunk_size=512, tpot_target_s=TARGET,
                             num_blocks=20_000)  # 256 slots each, KV for 500 generations
@@ -322,7 +322,7 @@ def test_a_closed_loops_burst_keeps_the_fixed_slack():
     flight; its demand is that count, not a rate): there a burst waits only within
     ``CLOSED_LOOP_BURST_SLACK`` (5 %) past a replica's KV, so the 21st generation (4 % past)
     waits and the 22nd (9 %) grows the side, where an open load lets it wait."""
-    from orthrus_sim.experiment.routing import CLOSED_LOOP_BURST_SLACK
+    from orthrus_sim.routing.rules import CLOSED_LOOP_BURST_SLACK
 
     assert CLOSED_LOOP_BURST_SLACK == 0.05
     small = SchedulerConfig(token_budget=2048, chunk_size=512, tpot_target_s=TARGET,

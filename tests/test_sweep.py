@@ -9,9 +9,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from orthrus_sim import sweep as sweep_mod
 from orthrus_sim.cli import app
-from orthrus_sim.sweep import Point, plan_sweep, point_runner, run_local, run_ray, run_sweep
+from orthrus_sim.questions import sweep as sweep_mod
+from orthrus_sim.questions.sweep import Point, plan_sweep, point_runner, run_local, run_ray, run_sweep
 
 runner = CliRunner()
 
@@ -69,7 +69,7 @@ def test_ray_reports_a_failed_point_and_runs_the_others(local_ray):
 
 
 def test_point_runner_on_ray_runs_rounds_in_one_session(local_ray):
-    """What a search runs round after round (orthrus_sim.capacity) on one Ray session gives
+    """What a search runs round after round (orthrus_sim.questions.capacity) on one Ray session gives
     the numbers of a local run."""
     _, _, points = plan_sweep(small(), [], GRID)
 

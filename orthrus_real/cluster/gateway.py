@@ -1,6 +1,6 @@
 """The cluster's one OpenAI endpoint: each request routed to a replica by the project's router.
 
-The rule is ``orthrus_sim.experiment.routing``'s (``make_router``: the simulator's own), over
+The rule is ``orthrus_sim.routing.rules``'s (``make_router``: the simulator's own), over
 ``Replica`` objects that expose what it reads. On arrival the gateway counts the request's
 tokens (the model's tokenizer; the output cap for generations), asks ``route`` for a replica
 among those up, forwards the body unchanged and relays the answer (streamed bytes as they
@@ -39,7 +39,7 @@ from orthrus_real.cluster.retry import Quarantine, RetryRules
 from orthrus_real.server.api.errors import error_response
 from orthrus_sim.engine.request import Request as RoutedRequest
 from orthrus_sim.engine.request import RequestKind
-from orthrus_sim.experiment.routing import RouterRule
+from orthrus_sim.routing.rules import RouterRule
 
 log = logging.getLogger("orthrus")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request

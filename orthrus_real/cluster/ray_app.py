@@ -32,7 +32,7 @@ from typing import Any
 
 from orthrus_real.cluster.machine_plan import make_replicas
 from orthrus_real.cluster.replicas import Replica, ReplicaSpec, ServeOptions
-from orthrus_sim.experiment.routing import RouterRule
+from orthrus_sim.routing.rules import RouterRule
 
 log = logging.getLogger("orthrus")
 APP_NAME = "orthrus"

@@ -100,7 +100,7 @@ def make_gateway(scenario: Scenario, replicas: list[Replica], opts: ServeOptions
                  auto_restart: bool, start_timeout: float):
     """The gateway over ``replicas`` with the scenario's routing rule."""
     from orthrus_real.cluster.gateway import Gateway
-    from orthrus_sim.experiment.routing import RouterRule
+    from orthrus_sim.routing.rules import RouterRule
 
     rule = RouterRule.of(scenario, replicas[0].spec.plan.config.tpot_target_s)
     return Gateway(replicas, opts, rule, auto_restart, opts.api_key, start_timeout)

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from orthrus_real.engine.model_files import DTYPES
-from orthrus_sim.machine import cpu_flags
+from orthrus_sim.costmodel.machine import cpu_flags
 
 log = logging.getLogger("orthrus")
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -73,7 +73,7 @@ def engine_environment(engine, backend: str, threads: int | None = None) -> dict
     """Where and how ``engine`` runs, as a calibration records it (``EnvironmentModel``).
     ``threads``: those the engine was given; torch's thread count is per thread (OpenMP), so
     this thread's count is only the fallback for an engine stepped here."""
-    from orthrus_sim.machine import this_machine
+    from orthrus_sim.costmodel.machine import this_machine
 
     device = getattr(engine, "device", None)
     gpu = None
@@ -101,12 +101,12 @@ def environment_check(calibration_path: str, model_dir: str | None = None,
     """One line when the calibration was measured on another machine, in another dtype than a
     model in ``model_dir`` runs in here, with other engine ``threads`` than the engine it
     will predict, or beside another number of engines than ``colocated`` (those that will
-    share this machine; ``orthrus_sim.machine.environment_warning``)."""
+    share this machine; ``orthrus_sim.costmodel.machine.environment_warning``)."""
     from pathlib import Path
 
     from orthrus_real.engine.model_files import read_config
     from orthrus_sim.costmodel import load_calibration
-    from orthrus_sim.machine import environment_warning, this_machine
+    from orthrus_sim.costmodel.machine import environment_warning, this_machine
 
     cal = load_calibration(calibration_path)
     dev = choose_device(device)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from orthrus_sim.files import read_structured
+from orthrus_sim import read_structured
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 BIDIRECTIONAL_HINTS = ("BertModel", "XLMRobertaModel", "T5EncoderModel", "NomicBertModel")

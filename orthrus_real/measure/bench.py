@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from orthrus_sim import safe_name
 from orthrus_sim.engine.request import Request, RequestKind, RequestState
 from orthrus_sim.experiment.quantiles import Quantiles, summarize, summary
 from orthrus_sim.experiment.results import (
@@ -42,7 +43,6 @@ from orthrus_sim.experiment.workload import (
     interpret,
     run_async,
 )
-from orthrus_sim.files import safe_name
 
 
 class Rejected(Exception):
@@ -502,7 +502,7 @@ def write_results(doc: dict, rows: list[dict], out: Path, plots: bool = True) ->
     label = doc["runs"][0]["configuration"]
     write_csv(out / f"requests_{safe_name(label)}.csv", rows)
     if plots and rows:
-        from orthrus_sim import plots as plotting  # matplotlib only when writing plots
+        from orthrus_sim.questions import plots as plotting  # matplotlib only when writing plots
 
         runs = doc["runs"]
         plotting.throughput_bars(runs, out / "throughput.png", f"{doc['scenario']['name']}: throughput")

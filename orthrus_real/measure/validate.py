@@ -22,10 +22,10 @@ import yaml
 from orthrus_real.cluster.machine_plan import real_scenario
 from orthrus_real.measure.bench import bench, bench_in_process
 from orthrus_real.server.serving import wait_healthy
+from orthrus_sim import safe_name
 from orthrus_sim.experiment.plan import engine_plan
 from orthrus_sim.experiment.results import results_doc, write_json
 from orthrus_sim.experiment.scenario import Scenario, load_scenario, scenario_dump
-from orthrus_sim.files import safe_name
 
 # metric paths compared (dotted into results.json metrics)
 COMPARED = (

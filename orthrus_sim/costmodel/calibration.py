@@ -23,13 +23,13 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from orthrus_sim import read_structured
 from orthrus_sim.costmodel.coefficients import Coefficients, OpCoeffs, default_ops
 from orthrus_sim.costmodel.cost import CostModel
 from orthrus_sim.costmodel.factors import CostFactors
 from orthrus_sim.costmodel.hardware import Hardware
 from orthrus_sim.costmodel.operators import ATTENTION_OPS, ELEMENTWISE_OPS, LINEAR_OPS, OPERATORS
 from orthrus_sim.costmodel.shape import BatchShape
-from orthrus_sim.files import read_structured
 
 SCHEMA = "orthrus.calibration/1"
 
@@ -140,7 +140,7 @@ class CandidateModel(BaseModel):
 
 class RangeEndModel(BaseModel):
     """One end of a parameter's range: every factor, with that one moved as far as the
-    measurements allow and the fitted ones refitted (``orthrus_sim.ranges``)."""
+    measurements allow and the fitted ones refitted (``orthrus_sim.questions.ranges``)."""
     model_config = ConfigDict(extra="forbid")
     parameter: str
     side: Literal["low", "high"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orthrus_sim.files import read_structured
+from orthrus_sim import read_structured
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from orthrus_sim.files import resolve_path
+from orthrus_sim import resolve_path
 
 
 class _Dist(BaseModel):

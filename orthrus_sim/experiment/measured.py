@@ -18,10 +18,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from orthrus_sim import read_structured
 from orthrus_sim.experiment.quantiles import PERCENTILES
 from orthrus_sim.experiment.results import KINDS, SCHEMA
 from orthrus_sim.experiment.scenario import pool_stream
-from orthrus_sim.files import read_structured
 
 THROUGHPUT_KEYS = (*KINDS, "combined", "workflow")
 LATENCY_KEYS = (*KINDS, "ttft", "tpot", "workflow")

@@ -28,11 +28,11 @@ from pydantic import (
     model_validator,
 )
 
+from orthrus_sim import read_structured, resolve_path
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.registry import resolve_policy
 from orthrus_sim.experiment.distributions import LengthDist, Uniform, fixed
 from orthrus_sim.experiment.trace import load_trace
-from orthrus_sim.files import read_structured, resolve_path
 
 
 def shipped_calibrations() -> dict[str, Path]:

@@ -12,7 +12,7 @@ from the estimate the rate search gives and steps by one GPU; a split configurat
 Both assume attainment falls as the rate rises and grows with GPUs (a simulation's noise can
 break that near the boundary; the runs are in ``capacity.json``).
 
-Each round's runs go through the sweep backend at once (``orthrus_sim.sweep``: local processes
+Each round's runs go through the sweep backend at once (``orthrus_sim.questions.sweep``: local processes
 or Ray), several points of a bracket per configuration when there are more workers than
 configurations still searching.
 """
@@ -31,7 +31,7 @@ from rich.console import Console
 
 from orthrus_sim.experiment.results import KINDS, results_doc, write_json
 from orthrus_sim.experiment.scenario import Scenario, scenario_dump
-from orthrus_sim.sweep import Point, point_runner
+from orthrus_sim.questions.sweep import Point, point_runner
 
 SCHEMA = "orthrus.capacity/1"
 MAX_DOUBLINGS = 10  # the rate search gives up 2^10 x above or below the scenario's rate
@@ -404,7 +404,7 @@ def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, toleranc
     doc.pop("runs")
     out.mkdir(parents=True, exist_ok=True)
     write_json(doc, out / "capacity.json")
-    from orthrus_sim import plots
+    from orthrus_sim.questions import plots
 
     plots.capacity_plot(doc, out / "capacity.png", f"{scenario.name}: SLO attainment against "
                         f"offered rate ({gpus} x {scenario.hardware})")

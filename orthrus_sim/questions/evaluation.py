@@ -1,7 +1,7 @@
 """The space a fit moves in, and the simulations it moves through: the fitted cost factors
 (their bounds and scales), the measured runs simulated at candidate factors (cached, in one
 process pool) with their log residuals, and the finite-difference Jacobian. Shared by the fit
-(``orthrus_sim.fit``) and the prediction ranges (``orthrus_sim.ranges``)."""
+(``orthrus_sim.questions.fit``) and the prediction ranges (``orthrus_sim.questions.ranges``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from orthrus_sim.experiment.scenario import (
     parse_scenario,
     scenario_dump,
 )
-from orthrus_sim.runner import Task, process_pool, run_task
+from orthrus_sim.questions.run import Task, process_pool, run_task
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,11 @@ from orthrus_sim.costmodel.calibration import (
     ResidualModel,
 )
 from orthrus_sim.costmodel.factors import CostFactors
-from orthrus_sim.evaluation import (
+from orthrus_sim.experiment.measured import MeasuredRun
+from orthrus_sim.experiment.scenario import (
+    Scenario,
+)
+from orthrus_sim.questions.evaluation import (
     BY_NAME,
     PARAMETERS,
     Evaluator,
@@ -40,11 +44,7 @@ from orthrus_sim.evaluation import (
     factors_at,
     jacobian,
 )
-from orthrus_sim.experiment.measured import MeasuredRun
-from orthrus_sim.experiment.scenario import (
-    Scenario,
-)
-from orthrus_sim.ranges import profile
+from orthrus_sim.questions.ranges import profile
 
 DETERMINED = 0.05  # a unit change moving the metrics (norm of log ratios) less: undetermined
 NOISE = 0.01  # floor of the metrics' scatter (log ratio) in the standard errors
@@ -117,7 +117,7 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
     values (``_probe``), and one that fits much better there joins the fit, from that value.
     A fit further than ``spread`` from a metric it was given tries harder (``_rescue``) and
     says so. ``ranges``: each parameter's ends as far as the measurements allow
-    (``orthrus_sim.ranges.profile``), for prediction ranges.
+    (``orthrus_sim.questions.ranges.profile``), for prediction ranges.
     """
     if not 0 < spread < 1:
         raise ValueError(f"--spread must be in (0, 1) (a relative spread such as 0.1), got {spread}")

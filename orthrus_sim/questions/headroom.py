@@ -18,10 +18,10 @@ import math
 from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 
-from orthrus_sim.experiment.placement import Bound, Demand, PlacementPlanner, Prediction
 from orthrus_sim.experiment.plan import plan_configuration, replica_cost
-from orthrus_sim.experiment.routing import RouterRule, closed_loop
 from orthrus_sim.experiment.scenario import Arrival, Scenario
+from orthrus_sim.routing.placement import Bound, Demand, PlacementPlanner, Prediction
+from orthrus_sim.routing.rules import RouterRule, closed_loop
 
 DEMAND_ROUNDS = 100  # a closed loop with think time or one mixed pool: in flight <-> latencies
 SETTLED = 1e-6  # relative change in the generations in flight that ends those rounds

@@ -1,5 +1,5 @@
 """Run a scenario's configurations (in parallel processes) and write the results set
-(sweeps: ``orthrus_sim.sweep``)."""
+(sweeps: ``orthrus_sim.questions.sweep``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from orthrus_sim import safe_name
 from orthrus_sim.experiment.results import print_runs, results_doc, write_csv, write_json
 from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump
-from orthrus_sim.files import safe_name
 from orthrus_sim.sim.run import RunResult, simulate
 
 
@@ -136,7 +136,7 @@ def run_scenario(scenario: Scenario, out: Path, workers: int | None = None,
     for r in results:
         write_csv(out / f"timeline_{safe_name(r.configuration)}.csv", r.timeline)
     if plots_too:
-        from orthrus_sim import plots
+        from orthrus_sim.questions import plots
 
         plots.run_plots(scenario.name, runs, {r.configuration: r.requests for r in results},
                         {r.configuration: r.timeline for r in results}, out)

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orthrus_sim.experiment.results import format_rows, results_doc, write_json
 from orthrus_sim.experiment.scenario import Scenario, parse_scenario, scenario_dump, split_gpus
-from orthrus_sim.runner import Task, in_processes, process_pool, run_task
+from orthrus_sim.questions.run import Task, in_processes, process_pool, run_task
 
 BACKENDS = ("local", "ray")
 
@@ -172,7 +172,7 @@ def run_ray(points: list[Point], max_parallel: int | None, address: str) -> Iter
 def point_runner(max_parallel: int | None = None, ray: str | None = None):
     """A function ``points -> outcomes as they finish`` on one pool of local processes, or one
     Ray session (``ray``: "auto" or "local"), kept for the whole block: a search that runs
-    points in rounds (``orthrus_sim.capacity``) starts its workers once."""
+    points in rounds (``orthrus_sim.questions.capacity``) starts its workers once."""
     if ray is not None:
         with _ray_session(ray, max_parallel):
             yield lambda points: run_ray(points, max_parallel, ray)
@@ -252,7 +252,7 @@ def run_sweep(raw: dict, overrides: list[str], grid: list[str], out: Path,
     write_json(doc, out / "sweep.json")
     sweep_summary(console, base.name, doc["points"], fmt)
     if any(p["runs"] for p in doc["points"]):
-        from orthrus_sim import plots
+        from orthrus_sim.questions import plots
 
         keys = [k for k, _ in axes]
         plots.sweep_plot([p for p in doc["points"] if p["runs"]], keys, out / "sweep.png",

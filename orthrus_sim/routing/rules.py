@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from orthrus_sim.engine.request import Request, RequestKind
-from orthrus_sim.experiment.placement import (
+from orthrus_sim.routing.placement import (
     Assignment,
     Demand,
     PlacementPlanner,

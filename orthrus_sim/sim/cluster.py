@@ -10,8 +10,8 @@ from orthrus_sim.costmodel import CostModelPredictor, get_hardware, get_model
 from orthrus_sim.engine.registry import make_policy
 from orthrus_sim.engine.request import Request, RequestState
 from orthrus_sim.experiment.plan import cost_factors, plan_configuration, replica_cost
-from orthrus_sim.experiment.routing import RouterRule
 from orthrus_sim.experiment.scenario import Scenario
+from orthrus_sim.routing.rules import RouterRule
 from orthrus_sim.sim.replica import Replica
 
 
