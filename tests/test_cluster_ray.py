@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("ray.serve")
-pytestmark = pytest.mark.ray_serve
+pytestmark = [pytest.mark.ray_serve, pytest.mark.slow]  # Ray Serve: a minute and a half
 
 from tests.test_cluster import REPLICA, Cluster, gen, kill_mid_stream, sigterm_mid_stream  # noqa: E402
 
