@@ -5,13 +5,13 @@
 #      OUT/site (nothing installed system-wide);
 #   2. the engine tests on the GPU (tests/test_real_engine.py, test_sampling.py and
 #      test_paged_attention.py, on DEVICE, fp32, with GPU tolerances);
-#   3. one decode step of 64 streams at context 128 under each path (benchmarks/decode_step.py):
+#   3. one decode step of 64 streams at context 128 under each path (benchmarks/engine/decode_step.py):
 #      gather attention (contexts gathered every step, and kept between steps), paged (the cache
 #      read in place), paged + the static step, paged +
 #      CUDA graphs: step time, kernel launches and GPU kernel time per step (torch.profiler);
-#   4. the engine against transformers on the same GPU (benchmarks/engine_peers.py, `1b`, bf16),
+#   4. the engine against transformers on the same GPU (benchmarks/engine/peers.py, `1b`, bf16),
 #      with today's path and with paged attention + CUDA graphs;
-#   5. benchmarks/engine_mix.py at 64 streams, mixes 5:5 and 1:9;
+#   5. benchmarks/engine/mix.py at 64 streams, mixes 5:5 and 1:9;
 #   6. orthrus-real calibrate --hardware HARDWARE (default h200), 20 s of mixed load.
 # Each step has a time limit (cut to what is left of a 460 s budget, BUDGET_S; 3600 s for the
 # CPU dry run, whose limits per step are doubled) and its own log
@@ -106,16 +106,16 @@ MODEL="$OUTDIR/model-$SIZE"
   --seed 0 > /dev/null
 if [ "$DEVICE" = "cpu" ]; then VARIANTS=gather,gather+kept,paged,paged+static; else
   VARIANTS=gather,gather+kept,paged,paged+static,paged+graphs; fi
-step decode 100 "$PY" benchmarks/decode_step.py --model "$MODEL" --device "$DEVICE" \
+step decode 100 "$PY" -m benchmarks.engine.decode_step --model "$MODEL" --device "$DEVICE" \
   --streams "$STREAMS" --steps "$STEPS" --variants "$VARIANTS"
-step peers 100 "$PY" benchmarks/engine_peers.py --model "$MODEL" --device "$DEVICE" \
+step peers 100 "$PY" -m benchmarks.engine.peers --model "$MODEL" --device "$DEVICE" \
   --repeats "$REPEATS" --no-paths
 if [ "$DEVICE" = "cpu" ]; then FAST="--attention paged --static-step"; else
   FAST="--attention paged --cuda-graphs"; fi
 # shellcheck disable=SC2086
-step peers-paged 100 "$PY" benchmarks/engine_peers.py --model "$MODEL" --device "$DEVICE" \
+step peers-paged 100 "$PY" -m benchmarks.engine.peers --model "$MODEL" --device "$DEVICE" \
   --repeats "$REPEATS" --no-paths $FAST
-step mix 200 "$PY" benchmarks/engine_mix.py --model "$MODEL" --streams "$STREAMS" --mixes 5:5,1:9 \
+step mix 200 "$PY" -m benchmarks.engine.mix --model "$MODEL" --streams "$STREAMS" --mixes 5:5,1:9 \
   --duration "$DURATION" --warmup "$WARMUP"
 step calibrate 120 "$PY" -m orthrus_real.cli calibrate --model "$MODEL" --hardware "$HARDWARE" \
   --out "$OUTDIR/calibration.json" --load-seconds "$LOAD" --repeats 2

@@ -34,5 +34,5 @@ $PY -m pytest -m vllm tests/test_vllm_backend.py -p no:warnings -rA || echo "TES
 
 echo "== mix benchmark (1B model, ${DURATION} s per configuration) =="
 $PY -m orthrus_real.cli init-model models/gpu-1b --size 1b --seed 0
-$PY benchmarks/engine_mix.py --backend vllm --model models/gpu-1b --streams 16,64 \
+$PY -m benchmarks.engine.mix --backend vllm --model models/gpu-1b --streams 16,64 \
     --mixes 5:5,1:9 --duration "$DURATION" --warmup 4

@@ -63,9 +63,8 @@ def measure(args, scenario_path: Path) -> dict:
     measured: dict = {m: {c: [] for c in CONFIGS} for m in MIXES}
     simulated: dict = {m: {} for m in MIXES}
     for r in range(args.rounds):
-        order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
         path = args.out / f"scenario-{r}.yaml"
-        path.write_text(yaml.safe_dump({**raw, "configurations": order}, sort_keys=False))
+        order = round_scenario(raw, r, path)
         for mix, share in MIXES.items():
             print(f"round {r + 1}/{args.rounds}, mix {mix}: {', '.join(order)}", flush=True)
             out = args.out / f"round-{r}" / mix.replace(":", "-")
@@ -77,6 +76,15 @@ def measure(args, scenario_path: Path) -> dict:
             sims = json.loads((out / "simulated" / "results.json").read_text())["runs"]
             simulated[mix] = {run["configuration"]: run["metrics"] for run in sims}
     return {"measured": measured, "simulated": simulated}
+
+
+def round_scenario(raw: dict, r: int, path: Path) -> list[str]:
+    """Round ``r``'s scenario, written to ``path``: the configurations in the order they run that
+    round, reversed every other round (the machine is shared and noisy: neither always runs
+    first); returns that order."""
+    order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
+    path.write_text(yaml.safe_dump({**raw, "configurations": order}, sort_keys=False))
+    return order
 
 
 def overrides(share: float, duration: float) -> list[str]:
@@ -200,9 +208,8 @@ def phased(args) -> list[str]:
     raw["workload"].pop("generation_share", None)
     got: dict = {c: {"measured": [], "simulated": None} for c in CONFIGS}
     for r in range(args.rounds):
-        order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
         path = args.out / f"phased-{r}.yaml"
-        path.write_text(yaml.safe_dump({**raw, "configurations": order}, sort_keys=False))
+        order = round_scenario(raw, r, path)
         print(f"phased, round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
         out = args.out / f"phased-round-{r}"
         validate(path, [], str(args.model), None, str(args.calibration), out, threads=1,

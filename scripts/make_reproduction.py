@@ -404,8 +404,7 @@ def latency(quick: bool) -> list[str]:
 def frontier(quick: bool) -> list[str]:
     """Issue 21's trade-off: Orthrus with an iteration-time target (round-robin and adaptive
     placement) against the static splits and the Unified baselines (scripts/make_frontier.py)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import make_frontier as mf
+    import make_frontier as mf  # beside this script
 
     shares = [0.1, 0.5, 0.9]
     points = mf.compute(shares, workers=2, quick=quick, out=OUT / "frontier")

@@ -1,4 +1,4 @@
-"""The soak with faults (``benchmarks/soak.py``), its CI version: two minutes of mixed load on
+"""The soak with faults (``benchmarks/cluster/soak.py``), its CI version: two minutes of mixed load on
 two replicas with ``--auto-restart``, a replica SIGKILLed every 30 s, a SIGSTOP/SIGCONT stall of
 the other between kills and a burst of the bad-request corpus. No request may be lost or fail
 (bad input gets its OpenAI-shaped 4xx, poison its 422), every greedy answer equals its
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOAK = ROOT / "benchmarks" / "soak.py"
+SOAK = ROOT / "benchmarks" / "cluster" / "soak.py"
 
 
 def soak_module():
@@ -67,8 +67,8 @@ def test_a_two_minute_soak_with_faults_loses_nothing(tiny_models, tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, str(SOAK), "--model", str(tiny_models["llama"]), "--minutes", "2",
-         "--kill-every", "30", "--replicas", "2", "--clients", "4", "--seed", "0",
+        [sys.executable, "-m", "benchmarks.cluster.soak", "--model", str(tiny_models["llama"]),
+         "--minutes", "2", "--kill-every", "30", "--replicas", "2", "--clients", "4", "--seed", "0",
          "--json", str(out), "--log", str(tmp_path / "cluster.log")],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     print(proc.stdout, proc.stderr[-3000:])  # the fault log and the table (shown on failure)

@@ -1,6 +1,6 @@
 """What the cluster's gateway itself costs: the same load straight to one replica and through
 the gateway, alternated in rounds, in one run on one machine. The replica is a stub that answers
-at once (``benchmarks/stub_replica.py``), so what the gateway adds is all that differs.
+at once (``benchmarks/cluster/stub_replica.py``), so what the gateway adds is all that differs.
 
 * A, latency: a closed loop at low concurrency (1 and 8) of non-streamed completions and
   embeddings; per-request latency direct and through the gateway, p50/p99, and what the gateway
@@ -20,7 +20,7 @@ engine process). With 2+ cores the gateway is pinned to one core and the stub an
 generator to another. The client is a raw asyncio HTTP/1.1 client over keep-alive connections
 (uvloop when installed), so that its own cost stays small beside the gateway's.
 
-Run: python benchmarks/gateway_overhead.py [--quick] [--rounds 3] [--json out.json]
+Run: python -m benchmarks.cluster.gateway_overhead [--quick] [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,25 +29,40 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
-import httpx
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.common import (
+    add_model_argument,
+    alternate,
+    core_times,
+    cpu_seconds,
+    machine,
+    model_dir,
+    parser,
+    percentile,
+    python_module,
+    serving,
+    table,
+)
+from orthrus_real.cluster.replicas import free_port
+from orthrus_sim.experiment.results import write_json
+
 HOST = "127.0.0.1"
+T = TypeVar("T")
 PROMPT = ("The quick brown fox jumps over the lazy dog while the gateway counts every token "
           "of this prompt before it routes the request to a replica. ") * 2
 BODIES = {
@@ -79,36 +94,6 @@ def cores() -> tuple[set[int] | None, set[int] | None, str]:
     gw, rest = {allowed[0]}, {allowed[1]}
     return gw, rest, (f"gateway pinned to core {allowed[0]}; stub replica and load generator "
                       f"to core {allowed[1]}")
-
-
-def free_port() -> int:
-    from orthrus_real.cluster.replicas import free_port as port
-
-    return port(HOST)
-
-
-def wait_ok(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited with code {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def gateway_child(cfg: dict) -> None:
@@ -153,46 +138,21 @@ def processes(a: argparse.Namespace, model: str):
     gw_cpus, rest_cpus, _ = cores()
     if rest_cpus:
         os.sched_setaffinity(0, rest_cpus)  # this process: the load generator
-    stub_ports = [free_port() for _ in range(a.stubs)]
-    stubs = [subprocess.Popen([sys.executable, str(HERE / "stub_replica.py"), "--port", str(p),
-                               *(["--cpus", ",".join(map(str, rest_cpus))] if rest_cpus else [])],
-                              stdin=subprocess.DEVNULL) for p in stub_ports]
-    gw_port = free_port()
+    stub_ports = [free_port(HOST) for _ in range(a.stubs)]
+    gw_port = free_port(HOST)
     cfg = {"model": model, "ports": stub_ports, "port": gw_port, "router": a.router,
            "log_level": a.gateway_log_level, "cpus": sorted(gw_cpus) if gw_cpus else None,
            "profile": str(a.profile_gateway.resolve()) if a.profile_gateway else None}
-    gw = None
-    try:
-        for p, proc in zip(stub_ports, stubs):
-            wait_ok(f"http://{HOST}:{p}/health", proc)
-        gw = subprocess.Popen([sys.executable, __file__, "--gateway-child", json.dumps(cfg)],
-                              stdin=subprocess.DEVNULL)
-        wait_ok(f"http://{HOST}:{gw_port}/health", gw)
+    pin = ["--cpus", ",".join(map(str, rest_cpus))] if rest_cpus else []
+    with ExitStack() as running:
+        stubs = [running.enter_context(serving(
+            python_module("benchmarks.cluster.stub_replica", "--port", str(p), *pin),
+            f"http://{HOST}:{p}", 120.0, 20.0, stdin=subprocess.DEVNULL)) for p in stub_ports]
+        gw = running.enter_context(serving(
+            python_module(__spec__.name, "--gateway-child", json.dumps(cfg)),
+            f"http://{HOST}:{gw_port}", 120.0, 20.0, stdin=subprocess.DEVNULL))
         yield (f"http://{HOST}:{stub_ports[0]}", f"http://{HOST}:{gw_port}", gw.pid,
                [s.pid for s in stubs])
-    finally:
-        if gw is not None:
-            stop(gw)
-        for s in stubs:
-            stop(s)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads) so far."""
-    fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def core_times(core: int | None) -> tuple[float, float]:
-    """(busy, total) jiffies of one core so far (``/proc/stat``; the whole machine for None):
-    how busy the gateway's core is with anything, the gateway or other processes."""
-    name = "cpu" if core is None else f"cpu{core}"
-    for line in Path("/proc/stat").read_text().splitlines():
-        parts = line.split()
-        if parts[0] == name:
-            values = [int(v) for v in parts[1:]]
-            return sum(values) - values[3] - values[4], sum(values)
-    return 0.0, 0.0
 
 
 # ----- a raw HTTP/1.1 client ----------------------------------------------------------------
@@ -321,13 +281,20 @@ async def one_stream(url: str, events: int, gap_ms: float) -> dict:
 
 
 # ----- figures ------------------------------------------------------------------------------
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+# a percentile is the nearest rank at or above it: a latency some request had
+pct = partial(percentile, method="higher")
 
 
-def ms(x: float) -> str:
-    return f"{x * 1e3:.3f}"
+def both_ways(fn: Callable[[str], T], direct: str, gateway: str, rounds: int,
+              progress: Progress, task) -> dict[str, list[T]]:
+    """``fn(url)`` straight to the stub and through the gateway, alternated in ``rounds`` (each
+    round in turn first), the progress bar advanced after each."""
+    def one(url: str) -> T:
+        out = fn(url)
+        progress.advance(task)
+        return out
+
+    return alternate({"direct": partial(one, direct), "gateway": partial(one, gateway)}, rounds)
 
 
 def phase_latency(a, direct: str, gateway: str, progress: Progress) -> list[dict]:
@@ -338,30 +305,23 @@ def phase_latency(a, direct: str, gateway: str, progress: Progress) -> list[dict
     rows = []
     for kind, conc in cells:
         path, body = BODIES[kind]
-        got: dict[str, list[float]] = {"direct": [], "gateway": []}
-        per_round = []
-        errors = 0
-        for rnd in range(a.rounds):
-            order = [("direct", direct), ("gateway", gateway)]
-            if rnd % 2:
-                order.reverse()
-            p50 = {}
-            for name, url in order:
-                out = run(closed_loop(url, request_bytes(url, path, body), conc,
-                                              requests=n_requests.get(conc, 500)))
-                got[name] += out.latencies
-                errors += out.errors
-                p50[name] = pct(out.latencies, 0.5)
-                progress.advance(task)
-            per_round.append(p50["gateway"] - p50["direct"])
-        d, g = got["direct"], got["gateway"]
+
+        def load(url: str, path: str = path, body: dict = body, conc: int = conc) -> Load:
+            return run(closed_loop(url, request_bytes(url, path, body), conc,
+                                   requests=n_requests.get(conc, 500)))
+
+        loads = both_ways(load, direct, gateway, a.rounds, progress, task)
+        per_round = [pct(gw.latencies, 50) - pct(dr.latencies, 50)
+                     for dr, gw in zip(loads["direct"], loads["gateway"])]
+        d, g = ([x for out in loads[name] for x in out.latencies] for name in ("direct", "gateway"))
+        errors = sum(out.errors for outs in loads.values() for out in outs)
         rows.append({"kind": kind, "concurrency": conc, "requests_each": len(d),
-                     "direct_p50_ms": pct(d, 0.5) * 1e3, "direct_p99_ms": pct(d, 0.99) * 1e3,
-                     "gateway_p50_ms": pct(g, 0.5) * 1e3, "gateway_p99_ms": pct(g, 0.99) * 1e3,
-                     "added_p50_ms": (pct(g, 0.5) - pct(d, 0.5)) * 1e3,
-                     "added_p99_ms": (pct(g, 0.99) - pct(d, 0.99)) * 1e3,
+                     "direct_p50_ms": pct(d, 50) * 1e3, "direct_p99_ms": pct(d, 99) * 1e3,
+                     "gateway_p50_ms": pct(g, 50) * 1e3, "gateway_p99_ms": pct(g, 99) * 1e3,
+                     "added_p50_ms": (pct(g, 50) - pct(d, 50)) * 1e3,
+                     "added_p99_ms": (pct(g, 99) - pct(d, 99)) * 1e3,
                      "added_p50_ms_per_round": [x * 1e3 for x in per_round],
-                     "p50_ratio": pct(g, 0.5) / pct(d, 0.5), "errors": errors})
+                     "p50_ratio": pct(g, 50) / pct(d, 50), "errors": errors})
     return rows
 
 
@@ -373,39 +333,36 @@ def phase_rate(a, direct: str, gateway: str, gw_pid: int, stub_pids: list[int],
     path, body = BODIES["completion"]
     ladder = [c for c in (1, 2, 4, 8, 16, 32, 64, 128, 256) if c <= a.max_concurrency]
     task = progress.add_task("B relayed rate", total=len(ladder) * a.rounds * 2)
+
+    def load(url: str, conc: int) -> dict:
+        """One closed loop at ``conc``, with the CPU it took: the gateway's, its core's (busy
+        and all), and the load generator's and stubs' together."""
+        cpu0, (busy0, total0) = cpu_seconds(gw_pid), core_times(gw_core)
+        side0 = time.process_time() + sum(cpu_seconds(p) for p in stub_pids)
+        out = run(closed_loop(url, request_bytes(url, path, body), conc, duration=a.step_s))
+        side = time.process_time() + sum(cpu_seconds(p) for p in stub_pids) - side0
+        gw_cpu = cpu_seconds(gw_pid) - cpu0
+        busy1, total1 = core_times(gw_core)
+        return {"load": out, "gw_cpu": gw_cpu, "busy": busy1 - busy0, "total": total1 - total0,
+                "side": side}
+
     steps, best, flat = [], 0.0, 0
     for conc in ladder:
-        got = {"direct": [], "gateway": []}
-        gw_cpu, gw_n, gw_t, side_cpu, side_t = 0.0, 0, 0.0, 0.0, 0.0
-        core_busy, core_total = 0.0, 0.0
-        for rnd in range(a.rounds):
-            order = [("direct", direct), ("gateway", gateway)]
-            if rnd % 2:
-                order.reverse()
-            for name, url in order:
-                cpu0, (busy0, total0) = cpu_seconds(gw_pid), core_times(gw_core)
-                side0 = time.process_time() + sum(cpu_seconds(p) for p in stub_pids)
-                out = run(closed_loop(url, request_bytes(url, path, body), conc,
-                                              duration=a.step_s))
-                side = time.process_time() + sum(cpu_seconds(p) for p in stub_pids) - side0
-                got[name].append(out.rate)
-                if name == "gateway":
-                    gw_cpu += cpu_seconds(gw_pid) - cpu0
-                    busy1, total1 = core_times(gw_core)
-                    core_busy += busy1 - busy0
-                    core_total += total1 - total0
-                    gw_n += len(out.latencies)
-                    gw_t += out.elapsed
-                    side_cpu += side
-                    side_t += out.elapsed
-                progress.advance(task)
-        d, g = statistics.median(got["direct"]), statistics.median(got["gateway"])
+        got = both_ways(partial(load, conc=conc), direct, gateway, a.rounds, progress, task)
+        rates = {name: [r["load"].rate for r in runs] for name, runs in got.items()}
+        gw = got["gateway"]
+        gw_cpu = sum(r["gw_cpu"] for r in gw)
+        gw_n = sum(len(r["load"].latencies) for r in gw)
+        gw_t = sum(r["load"].elapsed for r in gw)
+        core_busy, core_total = sum(r["busy"] for r in gw), sum(r["total"] for r in gw)
+        side_cpu = sum(r["side"] for r in gw)
+        d, g = statistics.median(rates["direct"]), statistics.median(rates["gateway"])
         steps.append({"concurrency": conc, "direct_rps": d, "gateway_rps": g, "ratio": g / d,
-                      "gateway_rps_rounds": got["gateway"], "direct_rps_rounds": got["direct"],
+                      "gateway_rps_rounds": rates["gateway"], "direct_rps_rounds": rates["direct"],
                       "gateway_cpu_core_fraction": gw_cpu / gw_t,
                       "gateway_core_busy_fraction": core_busy / core_total if core_total else None,
                       "gateway_cpu_us_per_request": gw_cpu / gw_n * 1e6 if gw_n else None,
-                      "client_and_stub_cpu_core_fraction": side_cpu / side_t})
+                      "client_and_stub_cpu_core_fraction": side_cpu / gw_t})
         if g > best * 1.05:
             best, flat = g, 0
         else:
@@ -428,22 +385,16 @@ def phase_stream(a, direct: str, gateway: str, progress: Progress) -> dict:
     """C: each event's delay and the gaps at the client, direct and through the gateway."""
     events, gap = a.stream_events, a.stream_gap_ms
     task = progress.add_task("C streaming", total=a.rounds * 2)
-    got = {"direct": [], "gateway": []}
-    for rnd in range(a.rounds):
-        order = [("direct", direct), ("gateway", gateway)]
-        if rnd % 2:
-            order.reverse()
-        for name, url in order:
-            got[name].append(run(one_stream(url, events, gap)))
-            progress.advance(task)
+    got = both_ways(lambda url: run(one_stream(url, events, gap)), direct, gateway, a.rounds,
+                    progress, task)
     out = {"events": events, "gap_ms": gap}
     for name, runs in got.items():
         delays = [d for r in runs for d in r["delays"]]
         gaps = [x for r in runs for x in r["gaps"]]
         out[name] = {"complete": all(r["events"] == events and r["done"] and r["status"] == 200
                                      for r in runs),
-                     "delay_p50_ms": pct(delays, 0.5) * 1e3, "delay_max_ms": max(delays) * 1e3,
-                     "gap_p50_ms": pct(gaps, 0.5) * 1e3, "gap_min_ms": min(gaps) * 1e3}
+                     "delay_p50_ms": pct(delays, 50) * 1e3, "delay_max_ms": max(delays) * 1e3,
+                     "gap_p50_ms": pct(gaps, 50) * 1e3, "gap_min_ms": min(gaps) * 1e3}
     # what the relay adds to each event: its delay through the gateway less the direct one
     out["added_delay_p50_ms"] = out["gateway"]["delay_p50_ms"] - out["direct"]["delay_p50_ms"]
     out["added_delay_max_ms"] = out["gateway"]["delay_max_ms"] - out["direct"]["delay_p50_ms"]
@@ -456,26 +407,10 @@ def phase_stream(a, direct: str, gateway: str, progress: Progress) -> dict:
 
 
 # ----- the run ------------------------------------------------------------------------------
-def machine() -> dict:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
-    flags = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
-    avx512 = sorted({f for f in (flags.group(1).split() if flags else ()) if f.startswith("avx512")})
-    return {"cpu": model.group(1) if model else platform.processor(), "cores": os.cpu_count(),
-            "avx512": avx512, "python": platform.python_version()}
-
-
-def tiny_model(root: Path) -> str:
-    from orthrus_real.engine.init_model import init_model
-
-    return str(init_model(root / "tiny-llama", "llama", "tiny", seed=0))
-
-
 def report(doc: dict) -> None:
-    t = Table(title="A. latency per request (ms): straight to the stub vs through the gateway")
-    for col in ("kind", "conc", "direct p50", "direct p99", "gateway p50", "gateway p99",
-                "added p50", "added p99", "added p50 by round", "p50 ratio"):
-        t.add_column(col, justify="right")
+    t = table("A. latency per request (ms): straight to the stub vs through the gateway",
+              ["kind", "conc", "direct p50", "direct p99", "gateway p50", "gateway p99",
+               "added p50", "added p99", "added p50 by round", "p50 ratio"])
     for r in doc["latency"]:
         t.add_row(r["kind"], str(r["concurrency"]), f"{r['direct_p50_ms']:.3f}",
                   f"{r['direct_p99_ms']:.3f}", f"{r['gateway_p50_ms']:.3f}",
@@ -484,10 +419,9 @@ def report(doc: dict) -> None:
                   " ".join(f"{x:.2f}" for x in r["added_p50_ms_per_round"]), f"{r['p50_ratio']:.2f}x")
     console.print(t)
     b = doc["rate"]
-    t = Table(title="B. completions per second at rising concurrency (closed loop)")
-    for col in ("conc", "direct req/s", "gateway req/s", "gateway/direct", "gateway CPU (core)",
-                "its core busy (all)", "gateway CPU us/req", "client+stub CPU (core)"):
-        t.add_column(col, justify="right")
+    t = table("B. completions per second at rising concurrency (closed loop)",
+              ["conc", "direct req/s", "gateway req/s", "gateway/direct", "gateway CPU (core)",
+               "its core busy (all)", "gateway CPU us/req", "client+stub CPU (core)"])
     for s in b["steps"]:
         t.add_row(str(s["concurrency"]), f"{s['direct_rps']:.0f}", f"{s['gateway_rps']:.0f}",
                   f"{s['ratio']:.2f}", f"{s['gateway_cpu_core_fraction']:.0%}",
@@ -496,10 +430,9 @@ def report(doc: dict) -> None:
                   f"{s['client_and_stub_cpu_core_fraction']:.0%}")
     console.print(t)
     c = doc["stream"]
-    t = Table(title=f"C. a stream of {c['events']} events {c['gap_ms']:g} ms apart "
-                    "(delay: the stub's send to the client's read)")
-    for col in ("", "complete", "delay p50 ms", "delay max ms", "gap p50 ms", "gap min ms"):
-        t.add_column(col, justify="right")
+    t = table(f"C. a stream of {c['events']} events {c['gap_ms']:g} ms apart "
+              "(delay: the stub's send to the client's read)",
+              ["", "complete", "delay p50 ms", "delay max ms", "gap p50 ms", "gap min ms"])
     for name in ("direct", "gateway"):
         x = c[name]
         t.add_row(name, str(x["complete"]), f"{x['delay_p50_ms']:.3f}", f"{x['delay_max_ms']:.3f}",
@@ -536,12 +469,11 @@ def report(doc: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--gateway-child", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="a short run (fewer requests, steps)")
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds per measurement")
-    p.add_argument("--model", help="model directory (default: a tiny llama made for the run; "
-                                   "its tokenizer is what the gateway counts tokens with)")
+    add_model_argument(p, "tiny", "; its tokenizer is what the gateway counts tokens with")
     p.add_argument("--stubs", type=int, default=1, help="stub replicas behind the gateway")
     p.add_argument("--router", default=None, help="the gateway's routing rule")
     p.add_argument("--latency-concurrency", type=int, nargs="+", default=[1, 8])
@@ -563,11 +495,10 @@ def main() -> None:
     if a.quick:
         a.rounds = min(a.rounds, 2)
     _, _, pinning = cores()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = a.model or tiny_model(Path(tmp))
+    with model_dir(a.model, "tiny", "tiny-llama") as model:
         console.print(f"{pinning}; model {model if a.model else '(tiny llama)'}; "
                       f"{a.stubs} stub replica(s); {a.rounds} alternated rounds")
-        with processes(a, model) as (direct, gateway, gw_pid, stub_pids):
+        with processes(a, str(model)) as (direct, gateway, gw_pid, stub_pids):
             with Progress(console=console, transient=True) as progress:
                 latency = phase_latency(a, direct, gateway, progress)
                 rate = phase_rate(a, direct, gateway, gw_pid, stub_pids, progress)
@@ -577,7 +508,7 @@ def main() -> None:
            "note": "one run on a shared machine: preliminary figures"}
     report(doc)
     if a.json:
-        a.json.write_text(json.dumps(doc, indent=2))
+        write_json(doc, a.json)
         console.print(f"wrote {a.json}")
 
 

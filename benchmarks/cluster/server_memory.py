@@ -11,31 +11,20 @@ client sends that: the whole text is tokenised, its last max_model_len tokens em
 under 100 MB) and /health latency percentiles (target: p99 under 50 ms), beside /health on the
 idle server in the same run (the baseline: on a shared machine the load of others shows there).
 
-Run: python benchmarks/server_memory.py [--requests 200] [--text-kb 500] [--size tiny]
+Run: python -m benchmarks.cluster.server_memory [--requests 200] [--text-kb 500] [--size tiny]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+from benchmarks.common import model_dir, parser, percentile, python_module, rss_mb, serving
 
 
 def text_of(n_chars: int, rng: random.Random) -> str:
@@ -104,19 +93,18 @@ async def run(url: str, args, pid: int) -> dict:
     lat, base = np.array(latencies) * 1000, np.array(idle) * 1000
 
     def pct(a):
-        return {k: round(float(np.percentile(a, q)), 1) for k, q in (("p50", 50), ("p99", 99),
-                                                                     ("max", 100))}
+        return {k: percentile(a, q, digits=1) for k, q in (("p50", 50), ("p99", 99), ("max", 100))}
 
     return {"requests": args.requests, "text_kb": args.text_kb, "max_model_len": limit,
             "tokenize_chars": max_chars - 10, "status_codes": codes, "wall_s": round(wall, 1),
             "rss_before_mb": round(before, 1), "rss_after_mb": round(after, 1),
             "rss_growth_mb": round(after - before, 1), "health_polls": int(lat.size),
             "health_ms": pct(lat), "health_idle_ms": pct(base),
-            "health_p99_vs_idle": round(float(np.percentile(lat, 99) / np.percentile(base, 99)), 2)}
+            "health_p99_vs_idle": round(percentile(lat, 99) / percentile(base, 99), 2)}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--text-kb", type=int, default=500)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -124,24 +112,15 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=10.0, help="seconds of /health on the idle "
                     "server first (the baseline on this machine's load)")
     args = ap.parse_args()
-    from orthrus_real.engine.init_model import init_model
+    from orthrus_real.cluster.replicas import free_port
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = init_model(Path(tmp) / args.size, "llama", args.size, seed=0)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    with model_dir(None, args.size) as model:
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen([sys.executable, "-m", "orthrus_real.cli", "serve", "--model",
-                                 str(model), "--port", str(port), "--log-level", "warning"])
-        try:
-            from orthrus_real.server.serving import wait_healthy
-
-            wait_healthy(url, 300.0, proc)
+        serve = python_module("orthrus_real.cli", "serve", "--model", str(model), "--port",
+                              str(port), "--log-level", "warning")
+        with serving(serve, url, 300.0, 60.0) as proc:
             result = asyncio.run(run(url, args, proc.pid))
-        finally:
-            proc.terminate()
-            proc.wait(60)
     print(json.dumps(result, indent=1))
     ok = result["rss_growth_mb"] < 100 and result["health_ms"]["p99"] < 50
     print(f"RSS {result['rss_before_mb']} -> {result['rss_after_mb']} MB "

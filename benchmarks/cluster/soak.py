@@ -21,9 +21,9 @@ The fault schedule is fixed by ``--seed``, ``--minutes`` and ``--kill-every``: a
 between two kills and a burst of bad requests a quarter of the way; each one logged with its
 time since the start (stdout and ``--json``).
 
-Run: python benchmarks/soak.py [--minutes 30] [--replicas 3] [--clients 12] [--kill-every 120]
-     [--stall-s 5] [--model DIR] [--json soak.json]
-CI:  python benchmarks/soak.py --minutes 2 --kill-every 30 --replicas 2 --clients 4
+Run: python -m benchmarks.cluster.soak [--minutes 30] [--replicas 3] [--clients 12]
+     [--kill-every 120] [--stall-s 5] [--model DIR] [--json soak.json]
+CI:  python -m benchmarks.cluster.soak --minutes 2 --kill-every 30 --replicas 2 --clients 4
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,11 +45,8 @@ import httpx
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's own packages
-    sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, model_dir, parser, percentile, python_module, rss_mb, stop, table
 
 console = Console() if sys.stdout.isatty() else Console(width=130)  # a log: wide, not wrapped
 PATHS = {"embedding": "/v1/embeddings", "completion": "/v1/completions",
@@ -144,10 +140,10 @@ def start_cluster(model: Path, port: int, args, soak_log: list[tuple[float, str]
     """The ``serve`` child (the gateway process itself; the replicas are its children), its
     output kept with its (monotonic) times so the gateway's own down/back lines land beside
     the faults."""
-    cmd = [sys.executable, "-m", "orthrus_real.cli", "serve", "--model", str(model),
-           "--port", str(port), "--replicas", str(args.replicas), "--auto-restart",
-           "--devices", args.devices or default_devices(args.replicas), "--threads", "1",
-           "--kv-cache-tokens", str(args.kv_cache_tokens)]
+    cmd = python_module("orthrus_real.cli", "serve", "--model", str(model), "--port", str(port),
+                        "--replicas", str(args.replicas), "--auto-restart", "--devices",
+                        args.devices or default_devices(args.replicas), "--threads", "1",
+                        "--kv-cache-tokens", str(args.kv_cache_tokens))
     if args.router:
         cmd += ["--router", args.router]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -158,27 +154,6 @@ def start_cluster(model: Path, port: int, args, soak_log: list[tuple[float, str]
 
     threading.Thread(target=read, daemon=True).start()
     return proc
-
-
-def stop_cluster(proc: subprocess.Popen) -> int | None:
-    """SIGTERM: the gateway drains, then each replica drains and exits."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 async def replicas(control: httpx.AsyncClient) -> list[dict]:
@@ -677,20 +652,17 @@ def outcome_counts(records: list[Record]) -> dict[str, int]:
     return out
 
 
-def pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 4) if values else None
-
-
 def latency_figures(records: list[Record], fault_kinds: dict[int, str]) -> dict:
     """p50/p99 of ok load requests (the corpus left out), fault-free against during a kill or
     stall window (both, and each kind of fault apart), overall and by kind."""
     def part(values: list[float]) -> dict:
-        return {"n": len(values), "p50": pct(values, 50), "p99": pct(values, 99)}
+        return {"n": len(values), "p50": percentile(values, 50, digits=4),
+                "p99": percentile(values, 99, digits=4)}
 
     def split(recs):
         free = [r.latency for r in recs if not r.faults]
         during = [r.latency for r in recs if r.faults]
-        p99f, p99d = pct(free, 99), pct(during, 99)
+        p99f, p99d = percentile(free, 99, digits=4), percentile(during, 99, digits=4)
         return {"fault_free": part(free), "during_faults": part(during),
                 "p99_ratio": round(p99d / p99f, 3) if p99f and p99d is not None else None}
 
@@ -731,10 +703,8 @@ def gateway_events(log: list[tuple[float, str]], t0: float) -> list[tuple[float,
 
 def report(doc: dict) -> None:
     """The rich table at the end."""
-    t = Table(title=f"soak: {doc['config']['minutes']} min, {doc['config']['replicas']} replicas, "
-                    f"{doc['config']['clients']} clients", show_lines=False)
-    t.add_column("figure")
-    t.add_column("value", justify="right")
+    t = table(f"soak: {doc['config']['minutes']} min, {doc['config']['replicas']} replicas, "
+              f"{doc['config']['clients']} clients", ["value"], label="figure")
     t.add_column("check")
     for kind, outcomes in sorted(doc["by_kind"].items()):
         t.add_row(f"requests {kind}", ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())), "")
@@ -920,8 +890,7 @@ async def soak_run(url: str, pid: int, args, soak_log: list) -> tuple[dict, floa
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--minutes", type=float, default=30.0, help="how long the load runs")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--clients", type=int, default=12, help="closed-loop clients")
@@ -966,12 +935,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the soak; 0 when every hard check held, 1 otherwise."""
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="orthrus-soak-") as tmp:
-        model = args.model
-        if model is None:
-            from orthrus_real.engine.init_model import init_model
-
-            model = init_model(Path(tmp) / "llama", "llama", "tiny", seed=0, adapter_rank=4)
+    with model_dir(args.model, "tiny", "llama", adapter_rank=4) as model:
         from orthrus_real.cluster.replicas import free_port
         from orthrus_real.server.serving import wait_healthy
 
@@ -989,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print("\n".join(line for _, line in cluster_log[-60:]))
             raise
         finally:
-            code = stop_cluster(proc)
+            code = stop(proc, 90)  # the gateway drains, then each replica drains and exits
     doc["cluster_exit_code"] = code
     if args.log:
         args.log.write_text("".join(f"{t - t0:9.2f} {line}\n" for t, line in cluster_log))

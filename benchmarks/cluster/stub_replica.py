@@ -8,16 +8,17 @@ A streamed request (``"stream": true``) gets ``max_tokens`` SSE events (default 
 buffers shows as gaps that close up at the client.
 
 A raw ASGI app (no framework) under uvicorn, so the stub's own cost per request stays small
-beside the gateway's. Run: ``python benchmarks/stub_replica.py --port 8101 [--cpus 1]``.
+beside the gateway's. Run: ``python -m benchmarks.cluster.stub_replica --port 8101 [--cpus 1]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import time
+
+from benchmarks.common import parser
 
 MODEL = "stub"
 ENGINE = {"model": MODEL, "kv_cache": "65536 tokens (stub)", "threads": "1", "device": "none",
@@ -140,7 +141,7 @@ def make_app(gap_s: float = 0.0):
 def main() -> None:
     import uvicorn
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8101)
     p.add_argument("--stream-gap-ms", type=float, default=0.0,

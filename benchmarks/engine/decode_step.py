@@ -2,28 +2,24 @@
 count what it launches (torch.profiler): on CUDA the kernel launches and GPU kernel time per
 step, on a CPU the operators per step.
 
-    python benchmarks/decode_step.py --model DIR [--streams 64] [--context 128] [--steps 10]
-        [--device cuda] [--variants gather,gather+kept,paged,paged+static,paged+graphs]
+    python -m benchmarks.engine.decode_step --model DIR [--streams 64] [--context 128]
+        [--steps 10] [--device cuda] [--variants gather,gather+kept,paged,paged+static,paged+graphs]
 
 Each variant is its own engine with ``streams`` generation requests prefilled to ``context``
 tokens; the figures are medians over ``steps`` decode-only steps after 3 warm-up steps (which
-capture the graphs). ``engine_peers.py`` calls ``measure`` for the CPU comparison of the two
-attention paths.
+capture the graphs). ``benchmarks/engine/peers.py`` calls ``measure`` for the CPU comparison of
+the two attention paths.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from orthrus_real.engine.init_model import init_model
-from orthrus_real.engine.sampling import SamplingParams
+from benchmarks.common import add_model_argument, greedy, model_dir, parser, random_tokens, sync, timed
 from orthrus_real.engine.torch_engine import Engine
 from orthrus_sim.engine import SchedulerConfig
 
@@ -36,35 +32,22 @@ VARIANTS = {  # name -> engine options
 }
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(model_dir, variant: str, streams: int = 64, context: int = 128, steps: int = 10,
+def measure(model: Path, variant: str, streams: int = 64, context: int = 128, steps: int = 10,
             device: str | None = None, dtype: str | None = None, profile: bool = True) -> dict:
     """Median decode-step seconds of ``variant`` and (with ``profile``) launches per step."""
     steps_needed = 3 + steps * (2 if profile else 1) + 2
-    engine = Engine(model_dir, device=device, dtype=dtype, kv_cache_tokens=streams * (
+    engine = Engine(model, device=device, dtype=dtype, kv_cache_tokens=streams * (
         context + steps_needed + 16) + 1024, scheduler=SchedulerConfig(token_budget=8192),
         **VARIANTS[variant])
     rng = np.random.default_rng(0)
-    top = min(8000, engine.cfg.vocab_size)
     for i in range(streams):
-        engine.add_generation(f"g{i}", token_ids=[int(t) for t in rng.integers(4, top, context)],
-                              params=SamplingParams(max_tokens=steps_needed, temperature=0,
-                                                    ignore_eos=True))
+        engine.add_generation(f"g{i}", token_ids=random_tokens(rng, context, engine.cfg.vocab_size),
+                              params=greedy(steps_needed))
     while not engine.stats or engine.stats[-1].decodes < streams:  # prefill
         engine.step()
     for _ in range(3):  # warm-up: compiles and captures
         engine.step()
-    times = []
-    for _ in range(steps):
-        sync(engine.device)
-        start = time.perf_counter()
-        engine.step()
-        sync(engine.device)
-        times.append(time.perf_counter() - start)
+    times = [timed(engine.step, engine.device) for _ in range(steps)]
     out = {"variant": variant, "step_ms": statistics.median(times) * 1e3,
            "decodes": engine.stats[-1].decodes}
     if engine.static is not None:
@@ -101,28 +84,27 @@ def count_launches(engine: Engine, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=None, help="default: generate `small`")
-    parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--variants", default=None, help="comma-separated (default: all that "
-                        "apply to the device)")
-    args = parser.parse_args()
-    tmp = tempfile.TemporaryDirectory()
-    model = args.model or init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
+    ap = parser(__doc__)
+    add_model_argument(ap, "small")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--variants", default=None, help="comma-separated (default: all that "
+                    "apply to the device)")
+    args = ap.parse_args()
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     names = args.variants.split(",") if args.variants else [
         v for v in VARIANTS if cuda or v != "paged+graphs"]
-    for name in names:
-        if name not in VARIANTS:
-            raise SystemExit(f"--variants: unknown {name!r} (one of {', '.join(VARIANTS)})")
-        r = measure(model, name, args.streams, args.context, args.steps, args.device, args.dtype)
-        print("DECODE", " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                                 for k, v in r.items()), flush=True)
+    with model_dir(args.model, "small") as model:
+        for name in names:
+            if name not in VARIANTS:
+                raise SystemExit(f"--variants: unknown {name!r} (one of {', '.join(VARIANTS)})")
+            r = measure(model, name, args.streams, args.context, args.steps, args.device,
+                        args.dtype)
+            print("DECODE", " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                     for k, v in r.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,29 +15,27 @@ target": IBS with an iteration-time target of ``--target-x`` (default 1.5) times
 step the calibration predicts for the G streams (at mid-output context), and reports each
 configuration's generation TPOT p99 against it (docs/scheduler.md, "Iteration-time target").
 
-Run: python benchmarks/engine_mix.py [--duration 20] [--streams 4,16,64] [--mixes 5:5,1:9]
+Run: python -m benchmarks.engine.mix [--duration 20] [--streams 4,16,64] [--mixes 5:5,1:9]
      [--backend torch|vllm] [--calibration calibration/cpu-2core-small.json --model DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import statistics
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
+
+from benchmarks.common import add_model_argument, greedy, model_dir, parser, percentile, random_tokens, table
 
 PROMPT, OUTPUT, EMB_LEN = 128, 128, 128
 
 
-def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int, duration: float,
+def run_clients(model: str, policy: str, gen_streams: int, emb_streams: int, duration: float,
                 warmup: float, threads: int, core: int | None = None, budget: int = 2048,
                 backend: str = "torch", gpu_share: float | None = None,
                 target: float | None = None, calibration: str | None = None) -> dict:
@@ -45,28 +43,26 @@ def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int,
     if core is not None:
         os.sched_setaffinity(0, {core})
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)  # the vLLM worker's OpenMP team
-    from orthrus_real.engine.sampling import SamplingParams
     from orthrus_real.server.backends import make_engine
     from orthrus_sim.engine import SchedulerConfig
 
     chunk = None if policy == "embedding-only" else min(512, budget)
-    engine = make_engine(backend, model_dir, policy=policy,
+    engine = make_engine(backend, model, policy=policy,
                          kv_cache_tokens=(gen_streams + emb_streams + 4) * 320,
                          scheduler=SchedulerConfig(token_budget=budget, chunk_size=chunk,
                                                    max_num_seqs=256, tpot_target_s=target),
                          threads=threads, gpu_memory_utilization=gpu_share,
                          calibration=calibration)
     rng = np.random.default_rng(0)
-    top = min(8000, engine.cfg.vocab_size)  # any model's vocabulary (the tiny one: 512)
     ids = iter(range(10**9))
     started: dict[str, tuple[str, float]] = {}
 
     def submit(kind: str) -> None:
         rid = f"{kind[0]}{next(ids)}"
-        tokens = [int(t) for t in rng.integers(4, top, PROMPT if kind == "generation" else EMB_LEN)]
+        tokens = random_tokens(rng, PROMPT if kind == "generation" else EMB_LEN,
+                               engine.cfg.vocab_size)
         if kind == "generation":
-            engine.add_generation(rid, token_ids=tokens, params=SamplingParams(
-                max_tokens=OUTPUT, temperature=0, ignore_eos=True))
+            engine.add_generation(rid, token_ids=tokens, params=greedy(OUTPUT))
         else:
             engine.add_embedding(rid, token_ids=tokens)
         started[rid] = (kind, time.perf_counter())
@@ -107,7 +103,7 @@ def run_clients(model_dir: str, policy: str, gen_streams: int, emb_streams: int,
     return {"embedding": done["embedding"] / window, "generation": tokens / window,
             "lat_embedding": statistics.median(latency["embedding"]) if latency["embedding"] else None,
             "lat_generation": statistics.median(latency["generation"]) if latency["generation"] else None,
-            "tpot_p99": float(np.percentile(tpots, 99)) if tpots else None}
+            "tpot_p99": percentile(tpots, 99)}
 
 
 def _has_gpu() -> bool:
@@ -116,15 +112,15 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def dedicated(model_dir: str, gen_streams: int, emb_streams: int, duration: float, warmup: float,
+def dedicated(model: str, gen_streams: int, emb_streams: int, duration: float, warmup: float,
               backend: str = "torch") -> dict:
     # non-daemonic workers: a vLLM engine starts a worker process of its own; on a GPU the two
     # engines share it, each with 40 % of its memory
     share = 0.4 if backend == "vllm" and _has_gpu() else None
     with ProcessPoolExecutor(2, mp_context=mp.get_context("spawn")) as pool:
-        emb = pool.submit(run_clients, model_dir, "embedding-only", 0, emb_streams, duration,
+        emb = pool.submit(run_clients, model, "embedding-only", 0, emb_streams, duration,
                           warmup, 1, 0, 2048, backend, share)
-        gen = pool.submit(run_clients, model_dir, "generation", gen_streams, 0, duration,
+        gen = pool.submit(run_clients, model, "generation", gen_streams, 0, duration,
                           warmup, 1, 1, 2048, backend, share)
         e, g = emb.result(), gen.result()
     return {"embedding": e["embedding"], "generation": g["generation"],
@@ -132,7 +128,7 @@ def dedicated(model_dir: str, gen_streams: int, emb_streams: int, duration: floa
             "tpot_p99": g["tpot_p99"]}
 
 
-def decode_step_target(calibration: str, model_dir: str, streams: int, times: float) -> float:
+def decode_step_target(calibration: str, model: str, streams: int, times: float) -> float:
     """``times`` x the decode-only step the calibration predicts for ``streams`` decodes."""
     from orthrus_sim.costmodel import calibrated_predictor
     from orthrus_sim.engine import BatchItem, BatchUnit, ItemKind, Request, RequestKind
@@ -140,76 +136,73 @@ def decode_step_target(calibration: str, model_dir: str, streams: int, times: fl
     req = Request("probe", RequestKind.GENERATION, 0.0, PROMPT, max_output_tokens=OUTPUT)
     batch = BatchUnit(10**6)
     batch.add_decodes([BatchItem(req, ItemKind.DECODE, PROMPT + OUTPUT // 2, 1)] * streams)
-    return times * calibrated_predictor(calibration, model_dir).predict(batch)
+    return times * calibrated_predictor(calibration, model).predict(batch)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--duration", type=float, default=20.0)
-    parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--streams", default="4,16,64")
-    parser.add_argument("--mixes", default="5:5,1:9")
-    parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--token-budget", type=int, default=2048,
-                        help="budget of the unified engines (a small one keeps decode steps short); the "
-             "single-task engines keep 2048")
-    parser.add_argument("--policies", default="ibs,unified-hetero,unified-homo")
-    parser.add_argument("--backend", default="torch", choices=("torch", "vllm"),
-                        help="the PyTorch engine, or vLLM with the Orthrus plug-in (every "
-                             "configuration, the single-task engines included, on that backend)")
-    parser.add_argument("--calibration", default=None,
-                        help="the engine's calibration: adds IBS with an iteration-time target")
-    parser.add_argument("--target-x", type=float, default=1.5,
-                        help="the target in decode-only steps (predicted by --calibration)")
-    args = parser.parse_args()
-    console = Console(width=170)
-    tmp = tempfile.TemporaryDirectory()
-    if args.model is None:
-        from orthrus_real.engine.init_model import init_model
+    ap = parser(__doc__)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--streams", default="4,16,64")
+    ap.add_argument("--mixes", default="5:5,1:9")
+    add_model_argument(ap, "small")
+    ap.add_argument("--token-budget", type=int, default=2048,
+                    help="budget of the unified engines (a small one keeps decode steps short); "
+                    "the single-task engines keep 2048")
+    ap.add_argument("--policies", default="ibs,unified-hetero,unified-homo")
+    ap.add_argument("--backend", default="torch", choices=("torch", "vllm"),
+                    help="the PyTorch engine, or vLLM with the Orthrus plug-in (every "
+                         "configuration, the single-task engines included, on that backend)")
+    ap.add_argument("--calibration", default=None,
+                    help="the engine's calibration: adds IBS with an iteration-time target")
+    ap.add_argument("--target-x", type=float, default=1.5,
+                    help="the target in decode-only steps (predicted by --calibration)")
+    args = ap.parse_args()
+    with model_dir(args.model, "small") as model:
+        mixes(args, str(model))
 
-        args.model = init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
-    model_dir = str(args.model)
-    table = Table(title=f"Mixed workloads ({args.backend} backend) on the small model, 2 CPU cores, "
-                        f"{args.duration:.0f} s each "
-                        f"({args.warmup:.0f} s warm-up)")
-    for col in ("mix e:g", "gen streams", "emb streams", "configuration", "emb inputs/s",
-                "gen tokens/s", "normalised", "vs dedicated", "emb p50 s", "gen p50 s",
-                "TPOT p99 ms", "target ms"):
-        table.add_column(col, justify="right")
+
+def mixes(args, model: str) -> None:
+    """Every mix and stream count: each configuration beside the engines alone, one table."""
+    console = Console(width=170)
+    out = table(f"Mixed workloads ({args.backend} backend) on the small model, 2 CPU cores, "
+                f"{args.duration:.0f} s each ({args.warmup:.0f} s warm-up)",
+                ["mix e:g", "gen streams", "emb streams", "configuration", "emb inputs/s",
+                 "gen tokens/s", "normalised", "vs dedicated", "emb p50 s", "gen p50 s",
+                 "TPOT p99 ms", "target ms"])
     for mix in args.mixes.split(","):
         e_share, g_share = (float(x) for x in mix.split(":"))
         for g in (int(x) for x in args.streams.split(",")):
             e = max(1, round(g * e_share / g_share))
             b = args.backend
-            gen_alone = run_clients(model_dir, "generation", g, 0, args.duration, args.warmup, 2,
+            gen_alone = run_clients(model, "generation", g, 0, args.duration, args.warmup, 2,
                                     backend=b)
-            emb_alone = run_clients(model_dir, "embedding-only", 0, e, args.duration, args.warmup, 2,
+            emb_alone = run_clients(model, "embedding-only", 0, e, args.duration, args.warmup, 2,
                                     backend=b)
-            results = {"dedicated 1:1 cores": dedicated(model_dir, g, e, args.duration, args.warmup, b)}
+            results = {"dedicated 1:1 cores": dedicated(model, g, e, args.duration, args.warmup, b)}
             for policy in args.policies.split(","):
-                results[policy] = run_clients(model_dir, policy, g, e, args.duration, args.warmup, 2,
+                results[policy] = run_clients(model, policy, g, e, args.duration, args.warmup, 2,
                                               budget=args.token_budget, backend=b)
             target = None
             if args.calibration:
-                target = decode_step_target(args.calibration, model_dir, g, args.target_x)
+                target = decode_step_target(args.calibration, model, g, args.target_x)
                 results["ibs + target"] = run_clients(
-                    model_dir, "ibs", g, e, args.duration, args.warmup, 2, budget=args.token_budget,
+                    model, "ibs", g, e, args.duration, args.warmup, 2, budget=args.token_budget,
                     backend=b, target=target, calibration=args.calibration)
             base = results["dedicated 1:1 cores"]
             for name, r in results.items():
                 norm = r["generation"] / gen_alone["generation"] + r["embedding"] / emb_alone["embedding"]
                 base_norm = (base["generation"] / gen_alone["generation"]
                              + base["embedding"] / emb_alone["embedding"])
-                table.add_row(mix, str(g), str(e), name, f"{r['embedding']:.2f}", f"{r['generation']:.1f}",
-                              f"{norm:.2f}",
-                              f"{norm / base_norm:.2f}x",
-                              f"{r['lat_embedding']:.2f}" if r["lat_embedding"] else "-",
-                              f"{r['lat_generation']:.1f}" if r["lat_generation"] else "-",
-                              f"{r['tpot_p99'] * 1e3:.1f}" if r["tpot_p99"] else "-",
-                              f"{target * 1e3:.1f}" if target and name == "ibs + target" else "-")
+                out.add_row(mix, str(g), str(e), name, f"{r['embedding']:.2f}",
+                            f"{r['generation']:.1f}", f"{norm:.2f}", f"{norm / base_norm:.2f}x",
+                            f"{r['lat_embedding']:.2f}" if r["lat_embedding"] else "-",
+                            f"{r['lat_generation']:.1f}" if r["lat_generation"] else "-",
+                            f"{r['tpot_p99'] * 1e3:.1f}" if r["tpot_p99"] else "-",
+                            f"{target * 1e3:.1f}" if target and name == "ibs + target" else "-")
             console.print(f"done {mix} G={g}: alone gen {gen_alone['generation']:.1f} tok/s, "
                           f"emb {emb_alone['embedding']:.2f}/s")
-    console.print(table)
+    console.print(out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The PyTorch engine against its peers on the `small` bf16 model (CPU, both cores), or on a
-GPU with ``--device cuda`` (benchmarks/gpu_check.sh runs it there on the `1b` model).
+GPU with ``--device cuda`` (``benchmarks/gpu_check.sh`` runs it there on the `1b` model).
 
 Workloads (the issue's protocol: random weights, token-id prompts, 1 warm-up, median of 3;
 the systems alternate within each repeat, so that a slow minute of a shared machine falls on
@@ -18,8 +18,8 @@ they are kept between steps by default), alternated with the rest; ``--cpu-gemm`
 library of the engine's fp32 projections on a CPU (default auto: ``orthrus_real/engine/cpu_gemm.py``),
 and ``--also-mkl`` adds the engine with MKL's (its path before the choice), alternated; the run ends
 with one decode step (64 streams at context 128) under each attention path
-(``benchmarks/decode_step.py``), unless ``--no-paths``.
-Run: python benchmarks/engine_peers.py [--repeats 3] [--model DIR] [--device cpu|cuda]
+(``benchmarks/engine/decode_step.py``), unless ``--no-paths``.
+Run: python -m benchmarks.engine.peers [--repeats 3] [--model DIR] [--device cpu|cuda]
      [--dtype float32] [--attention gather|paged] [--static-step] [--cuda-graphs]
      [--also-gathered] [--cpu-gemm auto|mkl|onednn] [--also-mkl] [--hf-batches 16,64]
      [--no-paths]
@@ -27,74 +27,72 @@ Run: python benchmarks/engine_peers.py [--repeats 3] [--model DIR] [--device cpu
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import sys
-import tempfile
-import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 
-from orthrus_real.engine.init_model import init_model
-from orthrus_real.engine.sampling import SamplingParams
+from benchmarks.common import (
+    add_model_argument,
+    alternate,
+    greedy,
+    medians,
+    model_dir,
+    parser,
+    random_tokens,
+    table,
+    timed,
+)
+from benchmarks.engine.decode_step import measure
 from orthrus_real.engine.torch_engine import Engine
 from orthrus_sim.engine import SchedulerConfig
 
-sys.path.insert(0, str(Path(__file__).parent))  # decode_step.py beside this file
 VLLM_CPU = {"generation tok/s": 639.0, "embedding inputs/s": 17.7}
 N, PROMPT, OUTPUT = 64, 128, 128
 
 
-def alternated(runs: dict, repeats: int) -> dict[str, float]:
+def alternated(runs: dict[str, Callable[..., None]], repeats: int) -> dict[str, float]:
     """Median seconds of each run, the runs taken in turn within every repeat (one warm-up
     each first)."""
     for fn in runs.values():
         fn(warmup=True)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            sync()
-            start = time.perf_counter()
-            fn(warmup=False)
-            sync()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    return medians(alternate({name: partial(timed, partial(fn, warmup=False))
+                              for name, fn in runs.items()}, repeats, reverse=False))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model", type=Path, default=None, help="default: generate `small`")
-    parser.add_argument("--device", default=None, help="cpu | cuda (default: CUDA if present)")
-    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: by device)")
-    parser.add_argument("--attention", default="gather", help="gather | paged")
-    parser.add_argument("--static-step", action="store_true", help="the static decode step")
-    parser.add_argument("--cuda-graphs", action="store_true", help="captured (CUDA only)")
-    parser.add_argument("--no-paths", action="store_true", help="skip the attention-path table")
-    parser.add_argument("--also-gathered", action="store_true", help="also the engine with its "
-                        "decode contexts gathered every step (kept between steps by default on "
-                        "a CPU), alternated in the same run")
-    parser.add_argument("--cpu-gemm", default=None, help="auto | mkl | onednn (fp32 on a CPU)")
-    parser.add_argument("--also-mkl", action="store_true", help="also the engine with MKL's fp32 "
-                        "projections (its path before --cpu-gemm), alternated in the same run")
-    parser.add_argument("--hf-batches", default="16,64",
-                        help="batch sizes of transformers generate (comma-separated)")
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--repeats", type=int, default=3)
+    add_model_argument(ap, "small")
+    ap.add_argument("--device", default=None, help="cpu | cuda (default: CUDA if present)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: by device)")
+    ap.add_argument("--attention", default="gather", help="gather | paged")
+    ap.add_argument("--static-step", action="store_true", help="the static decode step")
+    ap.add_argument("--cuda-graphs", action="store_true", help="captured (CUDA only)")
+    ap.add_argument("--no-paths", action="store_true", help="skip the attention-path table")
+    ap.add_argument("--also-gathered", action="store_true", help="also the engine with its "
+                    "decode contexts gathered every step (kept between steps by default on "
+                    "a CPU), alternated in the same run")
+    ap.add_argument("--cpu-gemm", default=None, help="auto | mkl | onednn (fp32 on a CPU)")
+    ap.add_argument("--also-mkl", action="store_true", help="also the engine with MKL's fp32 "
+                    "projections (its path before --cpu-gemm), alternated in the same run")
+    ap.add_argument("--hf-batches", default="16,64",
+                    help="batch sizes of transformers generate (comma-separated)")
+    args = ap.parse_args()
     torch.set_num_threads(2)
-    tmp = tempfile.TemporaryDirectory()
-    model_dir = args.model or init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
+    with model_dir(args.model, "small") as model:
+        peers(model, args)
+
+
+def peers(model: Path, args) -> None:
+    """The engine and transformers, alternated: the throughput table and the ratios."""
     rng = np.random.default_rng(0)
+
     def make_engine(**extra) -> Engine:
-        return Engine(model_dir, scheduler=SchedulerConfig(token_budget=2048, chunk_size=512),
+        return Engine(model, scheduler=SchedulerConfig(token_budget=2048, chunk_size=512),
                       kv_cache_tokens=N * (PROMPT + OUTPUT) + 1024, device=args.device,
                       dtype=args.dtype, attention=args.attention,
                       static_step=args.static_step or args.cuda_graphs or None,
@@ -105,16 +103,14 @@ def main() -> None:
     gathered = make_engine(keep_decode_contexts=False) if args.also_gathered else None
     with_mkl = make_engine(cpu_gemm="mkl") if args.also_mkl else None
     device, dtype = engine.device, engine.cfg.dtype
-    top = min(8000, engine.cfg.vocab_size)  # any model's vocabulary (the tiny one: 512)
-    prompts = [[int(t) for t in rng.integers(4, top, PROMPT)] for _ in range(N)]
+    prompts = [random_tokens(rng, PROMPT, engine.cfg.vocab_size) for _ in range(N)]
     counter = iter(range(10**9))
 
     def generate_on(eng: Engine):
         def run(warmup: bool) -> None:
             steps = 4 if warmup else OUTPUT
             for p in prompts:
-                eng.add_generation(f"g{next(counter)}", token_ids=p, params=SamplingParams(
-                    max_tokens=steps, temperature=0, ignore_eos=True))
+                eng.add_generation(f"g{next(counter)}", token_ids=p, params=greedy(steps))
             eng.run_until_idle()
         return run
 
@@ -127,7 +123,7 @@ def main() -> None:
 
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).to(device)
     hf.eval()
     ids = torch.tensor(prompts, device=device)
 
@@ -179,18 +175,15 @@ def main() -> None:
     rows.append(("transformers forward + mean (batch 16)", "embedding", f"{peers['emb']:.1f} inputs/s",
                  f"{t['hf emb']:.1f}"))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "2 CPU cores"
-    table = Table(title=f"{model_dir.name} ({str(dtype).removeprefix('torch.')}), {where}, median of "
-                        f"{args.repeats} (alternated) after 1 warm-up")
-    for col in ("system", "task", "throughput", "median s"):
-        table.add_column(col, justify="right")
+    figures = table(f"{model.name} ({str(dtype).removeprefix('torch.')}), {where}, median of "
+                    f"{args.repeats} (alternated) after 1 warm-up",
+                    ["system", "task", "throughput", "median s"])
     for r in rows:
-        table.add_row(*r)
-    console.print(table)
+        figures.add_row(*r)
+    console.print(figures)
     if engine.gemm is not None:
         console.print(f"engine: {engine.gemm.describe()}")
-    ratios = Table(title="Ratios (orthrus engine / peer)")
-    for col in ("peer", "generation", "embedding"):
-        ratios.add_column(col, justify="right")
+    ratios = table("Ratios (orthrus engine / peer)", ["peer", "generation", "embedding"])
     best_gen = max(peers[f"gen{b}"] for b in batches)
     ratios.add_row("transformers (best batch)", f"{ours_gen / best_gen:.2f}x",
                    f"{ours_emb / peers['emb']:.2f}x")
@@ -204,26 +197,23 @@ def main() -> None:
                    f"{ours_emb / VLLM_CPU['embedding inputs/s']:.2f}x")
     console.print(ratios)
     if not args.no_paths:
-        attention_paths(model_dir, args, console)
+        attention_paths(model, args, console)
 
 
-def attention_paths(model_dir: Path, args, console: Console) -> None:
+def attention_paths(model: Path, args, console: Console) -> None:
     """One decode step of 64 streams at context 128 under each attention path (and the static
     step), alternated, median of the step times: which path is faster on this device."""
-    from decode_step import measure
-
     names = ["gather", "gather+kept", "paged", "paged+static"]
     if torch.cuda.is_available() and args.device != "cpu":
         names.append("paged+graphs")
-    table = Table(title="Decode step, 64 streams at context 128 (benchmarks/decode_step.py)")
-    for col in ("attention path", "step ms", "vs gather"):
-        table.add_column(col, justify="right")
-    results = {n: measure(model_dir, n, steps=5, device=args.device, dtype=args.dtype,
+    paths = table("Decode step, 64 streams at context 128 (benchmarks/engine/decode_step.py)",
+                  ["attention path", "step ms", "vs gather"])
+    results = {n: measure(model, n, steps=5, device=args.device, dtype=args.dtype,
                           profile=False) for n in names}
     base = results["gather"]["step_ms"]
     for n, r in results.items():
-        table.add_row(n, f"{r['step_ms']:.1f}", f"{base / r['step_ms']:.2f}x")
-    console.print(table)
+        paths.add_row(n, f"{r['step_ms']:.1f}", f"{base / r['step_ms']:.2f}x")
+    console.print(paths)
 
 
 if __name__ == "__main__":

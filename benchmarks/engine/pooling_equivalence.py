@@ -5,24 +5,21 @@ weighted-mean; fp32 and bf16. Each embedding is computed chunked (the engine wit
 size) and single-pass (chunk size = budget = 2,048, one pass); prints min cosine similarity and
 mean / p99 relative L2 error per configuration.
 
-Run: python benchmarks/pooling_equivalence.py [--size tiny|small] [--inputs 250]
+Run: python -m benchmarks.engine.pooling_equivalence [--size tiny|small] [--inputs 250]
 (tiny is the default: the protocol is about the pooler's arithmetic, and 3 M tokens per dtype
 through the 100 M-parameter small model take ~30 min on 2 CPU cores.)
 """
 
 from __future__ import annotations
 
-import argparse
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 
-from orthrus_real.engine.init_model import init_model
+from benchmarks.common import model_dir, parser, percentile, random_tokens, table
 from orthrus_real.engine.torch_engine import Engine
 from orthrus_sim.engine import SchedulerConfig
 
@@ -31,8 +28,8 @@ CHUNKS = (256, 512, 1024)
 MAX_LEN = 2048
 
 
-def embed_all(model_dir: Path, dtype: str, chunk: int, inputs: list[list[int]]) -> dict:
-    engine = Engine(model_dir, dtype=dtype, kv_cache_tokens=64 * MAX_LEN,
+def embed_all(model: Path, dtype: str, chunk: int, inputs: list[list[int]]) -> dict:
+    engine = Engine(model, dtype=dtype, kv_cache_tokens=64 * MAX_LEN,
                     scheduler=SchedulerConfig(token_budget=MAX_LEN, chunk_size=chunk, block_size=16))
     for i, ids in enumerate(inputs):
         for head in HEADS:
@@ -42,38 +39,36 @@ def embed_all(model_dir: Path, dtype: str, chunk: int, inputs: list[list[int]]) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--size", default="tiny", choices=["tiny", "small"])
-    parser.add_argument("--inputs", type=int, default=250)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--inputs", type=int, default=250)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
     torch.set_num_threads(2)
     rng = np.random.default_rng(args.seed)
     lengths = np.linspace(16, MAX_LEN, args.inputs).astype(int)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = init_model(Path(tmp) / "m", "llama", args.size, seed=args.seed,
-                               max_position_embeddings=MAX_LEN * 2)
+    with model_dir(None, args.size, "m", seed=args.seed,
+                   max_position_embeddings=MAX_LEN * 2) as model:
         vocab = 500 if args.size == "tiny" else 8000
-        inputs = [[int(t) for t in rng.integers(4, vocab, size=n)] for n in lengths]
-        table = Table(title=f"Chunked vs single-pass pooling, {args.inputs} inputs of 16-{MAX_LEN} "
-                            f"tokens, {args.size} model")
-        for col in ("dtype", "head", "chunk", "min cosine", "mean rel L2", "p99 rel L2"):
-            table.add_column(col, justify="right")
+        inputs = [random_tokens(rng, n, vocab) for n in lengths]
+        out = table(f"Chunked vs single-pass pooling, {args.inputs} inputs of 16-{MAX_LEN} "
+                    f"tokens, {args.size} model",
+                    ["dtype", "head", "chunk", "min cosine", "mean rel L2", "p99 rel L2"])
         for dtype in ("float32", "bfloat16"):
             start = time.perf_counter()
-            single = embed_all(model_dir, dtype, MAX_LEN, inputs)
+            single = embed_all(model, dtype, MAX_LEN, inputs)
             for chunk in CHUNKS:
-                chunked = embed_all(model_dir, dtype, chunk, inputs)
+                chunked = embed_all(model, dtype, chunk, inputs)
                 for head in HEADS:
                     cos, rel = [], []
                     for i in range(len(inputs)):
                         a, b = chunked[f"{i}/{head}"], single[f"{i}/{head}"]
                         cos.append(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
                         rel.append(np.linalg.norm(a - b) / np.linalg.norm(b))
-                    table.add_row(dtype, head, str(chunk), f"{min(cos):.8f}", f"{np.mean(rel):.2e}",
-                                  f"{np.percentile(rel, 99):.2e}")
+                    out.add_row(dtype, head, str(chunk), f"{min(cos):.8f}", f"{np.mean(rel):.2e}",
+                                f"{percentile(rel, 99):.2e}")
             Console().print(f"{dtype}: {time.perf_counter() - start:.0f} s")
-        Console().print(table)
+        Console().print(out)
         Console().print("Chunked and single-pass pooling are the same sums; what differs is the "
                         "order of floating-point reductions (attention over cached keys in "
                         "blocks, matmul tiling over a different number of rows, and the pooler "

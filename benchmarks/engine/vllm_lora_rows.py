@@ -9,17 +9,17 @@ lora_cpu.py``), which skip rows without an adapter. This times the LoRA calls of
 the adapter, with vLLM's ops and with the plug-in's, on one thread. The harness allocates each
 call's input and buffer: what is left with the plug-in's ops is mostly that.
 
-Run (the vLLM environment): python benchmarks/vllm_lora_rows.py [--rows 8,14] [--layers 12]
+Run (the vLLM environment): python -m benchmarks.engine.vllm_lora_rows [--rows 8,14] [--layers 12]
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 from vllm.lora.ops import torch_ops
 
+from benchmarks.common import parser
 from orthrus_real.vllm_backend import lora_cpu
 
 
@@ -50,16 +50,15 @@ def one_iteration(ops, rows: int, layers: int, shapes, weights, rank: int, per_t
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="8,14", help="generation rows of the batch")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--kv", type=int, default=256, help="width of the k and v projections")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=10)
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--rows", default="8,14", help="generation rows of the batch")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--kv", type=int, default=256, help="width of the k and v projections")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=10)
+    args = ap.parse_args()
     torch.set_num_threads(1)
     shapes = linears(args.hidden, args.intermediate, args.kv)
     # two slots, the last kept empty (what -1 reaches in vLLM's ops), as the engine keeps them

@@ -6,25 +6,24 @@ Requests: N prompts of 128 random tokens -> 128 greedy tokens (ignore_eos), all 
 once; output tokens per second over the whole run (engine start-up excluded), each figure the
 median of --repeats runs.
 
-Run (vLLM installed): python benchmarks/vllm_overhead.py [--requests 64] [--model DIR]
+Run (vLLM installed): python -m benchmarks.engine.vllm_overhead [--requests 64] [--model DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common import add_model_argument, greedy, model_dir, parser, random_tokens
 
 PROMPT, OUTPUT = 128, 128
 
 
 def prompts(n: int) -> list[list[int]]:
     rng = np.random.default_rng(0)
-    return [[int(t) for t in rng.integers(4, 8000, PROMPT)] for _ in range(n)]
+    return [random_tokens(rng, PROMPT, 8000) for _ in range(n)]
 
 
 def stock(model: str, reqs: list[list[int]], repeats: int, budget: int) -> float:
@@ -43,14 +42,13 @@ def stock(model: str, reqs: list[list[int]], repeats: int, budget: int) -> float
 
 
 def plugin(model: str, reqs: list[list[int]], repeats: int, budget: int, policy: str) -> float:
-    from orthrus_real.engine.sampling import SamplingParams
     from orthrus_real.vllm_backend.engine import VllmEngine
     from orthrus_sim.engine import SchedulerConfig
 
     engine = VllmEngine(model, policy=policy, kv_cache_tokens=len(reqs) * 300,
                         scheduler=SchedulerConfig(token_budget=budget, max_num_seqs=256,
                                                   max_model_len=1024))
-    params = SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True)
+    params = greedy(OUTPUT)
     rates = []
     for rep in range(repeats):
         t0 = time.perf_counter()
@@ -63,27 +61,23 @@ def plugin(model: str, reqs: list[list[int]], repeats: int, budget: int, policy:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--token-budget", type=int, default=2048)
-    parser.add_argument("--model", type=Path, default=None)
-    args = parser.parse_args()
-    tmp = tempfile.TemporaryDirectory()
-    if args.model is None:
-        from orthrus_real.engine.init_model import init_model
+    ap = parser(__doc__)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--token-budget", type=int, default=2048)
+    add_model_argument(ap, "small")
+    args = ap.parse_args()
+    with model_dir(args.model, "small") as model:
+        from orthrus_real.vllm_backend.support import prepare_environment
 
-        args.model = init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
-    from orthrus_real.vllm_backend.support import prepare_environment
-
-    prepare_environment()  # the same KV-cache space and model runner for both
-    reqs = prompts(args.requests)
-    base = stock(str(args.model), reqs, args.repeats, args.token_budget)
-    print(f"{args.requests} requests x {OUTPUT} tokens, budget {args.token_budget}")
-    print(f"stock vLLM (its scheduler)        {base:8.1f} output tok/s")
-    for policy in ("generation", "ibs"):
-        rate = plugin(str(args.model), reqs, args.repeats, args.token_budget, policy)
-        print(f"plug-in, policy {policy:<17} {rate:8.1f} output tok/s  ({rate / base:.2f}x stock)")
+        prepare_environment()  # the same KV-cache space and model runner for both
+        reqs = prompts(args.requests)
+        base = stock(str(model), reqs, args.repeats, args.token_budget)
+        print(f"{args.requests} requests x {OUTPUT} tokens, budget {args.token_budget}")
+        print(f"stock vLLM (its scheduler)        {base:8.1f} output tok/s")
+        for policy in ("generation", "ibs"):
+            rate = plugin(str(model), reqs, args.repeats, args.token_budget, policy)
+            print(f"plug-in, policy {policy:<17} {rate:8.1f} output tok/s  ({rate / base:.2f}x stock)")
 
 
 if __name__ == "__main__":

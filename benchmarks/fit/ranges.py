@@ -21,10 +21,10 @@ them), and then, knowing only those numbers:
   suggests (a measured configuration at one of its mixes, every metric kept that the published
   numbers left out: the same simulated run, as a bench that kept its whole report).
 
-    python benchmarks/fit_ranges.py                  # 20 seeds, ~30-50 min on 2 cores
-    python benchmarks/fit_ranges.py --measure throughputs   # the narrowing case
-    python benchmarks/fit_ranges.py --seeds 3 --out out/fit-ranges
-    python benchmarks/fit_ranges.py --setting paper --measure throughputs --seeds 10  # ~2 h
+    python -m benchmarks.fit.ranges                  # 20 seeds, ~30-50 min on 2 cores
+    python -m benchmarks.fit.ranges --measure throughputs   # the narrowing case
+    python -m benchmarks.fit.ranges --seeds 3 --out out/fit-ranges
+    python -m benchmarks.fit.ranges --setting paper --measure throughputs --seeds 10  # ~2 h
 
 ``--setting paper`` is the issue's own case at full size: Dedicated-1:3 of the A100 mix sweep,
 512 clients in one mixed pool (90 s), where the prediction's sampling spread is small and an
@@ -33,7 +33,6 @@ overhead that binds can stand in for the embedding device's time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -47,8 +46,8 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
+from benchmarks.common import ROOT, parser, table
 from orthrus_sim.costmodel import load_calibration, save_calibration
 from orthrus_sim.costmodel.calibration import CostFactorsModel
 from orthrus_sim.experiment.measured import MeasuredRun, run_metrics
@@ -67,7 +66,6 @@ from orthrus_sim.questions.fit import fit
 from orthrus_sim.questions.predict import predict, sampling_bound, suggest, suggest_run
 from orthrus_sim.sim.run import simulate
 
-ROOT = Path(__file__).resolve().parents[1]
 PRIOR = ROOT / "calibration" / "cpu-2core-small.json"
 A100 = ROOT / "calibration" / "a100-40gb.json"
 MIXES = (0.1, 0.5, 0.9)
@@ -332,14 +330,13 @@ def _cuts(rows: list[dict], prefix: str, width: str = "width") -> list[float]:
 
 def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
            measured: str = "all", setting: Setting = SETTINGS["cpu"]) -> None:
-    table = Table(title=f"fit ranges against simulated ground truths ({setting.describe}; "
-                        f"{setting.split} at "
-                        f"{'/'.join(map(str, mixes))}, one mixed pool, {measured} measured; "
-                        f"predicting Orthrus at 0.5)")
-    for col in ("seed", "truth e/d/oh/ov", "determined", "recovered", "inside (run/exp.)",
-                "widest", "width (run/exp.)", "2-sigma band", "suggested", "after", "run",
-                "after run", "fit s"):
-        table.add_column(col, overflow="fold")
+    out = table(f"fit ranges against simulated ground truths ({setting.describe}; "
+                f"{setting.split} at "
+                f"{'/'.join(map(str, mixes))}, one mixed pool, {measured} measured; "
+                f"predicting Orthrus at 0.5)",
+                ["seed", "truth e/d/oh/ov", "determined", "recovered", "inside (run/exp.)",
+                 "widest", "width (run/exp.)", "2-sigma band", "suggested", "after", "run",
+                 "after run", "fit s"], justify="left", overflow="fold")
 
     def pair(r: dict, key: str) -> str:
         """One run's range width and the expected value's, as run/exp."""
@@ -348,7 +345,7 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
 
     for r in rows:
         t = r["truth"]
-        table.add_row(
+        out.add_row(
             str(r["seed"]), f"{t['embedding_scale']:.2f}/{t['decode_scale']:.2f}/"
             f"{t['embedding_overhead_s'] * 1e3:.0f}ms/{t['overlap']:.2f}",
             " ".join(n.split("_")[0][:3] + ("_oh" if n.endswith("_s") else "")
@@ -369,7 +366,7 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
             if "suggested_run" in r else "-",
             pair(r, "run_narrowed_width"),
             f"{r['fit_s']:.0f}")
-    console.print(table)
+    console.print(out)
     n = len(rows)
     covered = sum(all(r["inside"].values()) for r in rows)
     rec = sum(all(r["recovered"].values()) for r in rows)
@@ -422,7 +419,7 @@ def report(rows: list[dict], console: Console, mixes: tuple[float, ...] = MIXES,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--first", type=int, default=1)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)

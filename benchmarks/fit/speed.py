@@ -14,18 +14,19 @@ and prints each one's simulations, seconds and the ratios the targets are stated
 process, one after the other, so the ratios compare like with like on a noisy machine.
 
 Only the separate fits use nothing newer than the fit of 2026-12-02, so the same script
-measures the code before this work when that checkout comes first on the path::
+measures the code before this work when that checkout comes first on the path (``-P``: not the
+current directory first, so ``/tmp/before``'s orthrus_sim is found before this one's, and this
+checkout's ``benchmarks`` after it)::
 
-    python benchmarks/fit_speed.py --out out/fit-speed
+    python -m benchmarks.fit.speed --out out/fit-speed
     git worktree add /tmp/before 9b46a18
-    PYTHONPATH=/tmp/before python benchmarks/fit_speed.py --only separate --out out/fit-speed-before
+    PYTHONPATH=/tmp/before:$PWD python -P -m benchmarks.fit.speed --only separate \
+        --out out/fit-speed-before
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import os
 import tempfile
 import time
@@ -33,12 +34,13 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 import orthrus_sim
+from benchmarks.common import parser, table
 from orthrus_sim.costmodel import load_calibration, save_calibration
 from orthrus_sim.costmodel.calibration import CostFactorsModel
 from orthrus_sim.experiment.measured import MeasuredRun, run_metrics
+from orthrus_sim.experiment.results import write_json
 from orthrus_sim.experiment.scenario import load_scenario
 from orthrus_sim.questions.fit import fit
 from orthrus_sim.sim.run import simulate
@@ -92,7 +94,7 @@ def with_overrides(run: MeasuredRun, share: float) -> MeasuredRun:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", choices=("separate", "joint", "both"), default="both")
     ap.add_argument("--out", type=Path, default=None, help="folder for fit_speed.json")
@@ -122,25 +124,22 @@ def main() -> None:
             console.print(f"joint fit: {row['seconds']:.0f} s, {row['simulations']} simulations")
     report(rows, console, args.workers)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fit_speed.json").write_text(json.dumps(
-            {"workers": args.workers, "truth": TRUTH, "rows": rows}, indent=2))
+        write_json({"workers": args.workers, "truth": TRUTH, "rows": rows},
+                   args.out / "fit_speed.json")
 
 
 def report(rows: list[dict], console: Console, workers: int) -> None:
     unit = float(np.mean([r["seconds"] for r in rows if r["simulations"] == 1]))
-    table = Table(title=f"fits on the mix sweep (Dedicated-1:3, 512 clients, 180 s, one mixed "
-                        f"pool; {workers} workers)")
-    for col in ("case", "simulations", "seconds", "x one simulation", "worst residual",
-                "fitted"):
-        table.add_column(col, overflow="fold")
+    out = table(f"fits on the mix sweep (Dedicated-1:3, 512 clients, 180 s, one mixed "
+                f"pool; {workers} workers)",
+                ["case", "simulations", "seconds", "x one simulation", "worst residual", "fitted"],
+                justify="left", overflow="fold")
     for r in rows:
         worst = r.get("worst_residual")
-        table.add_row(r["case"], str(r["simulations"]), f"{r['seconds']:.1f}",
-                      f"{r['seconds'] / unit:.1f}",
-                      "-" if worst is None else f"{worst:.1%}",
-                      " ".join(f"{k}={v:.3g}" for k, v in r.get("fitted", {}).items()))
-    console.print(table)
+        out.add_row(r["case"], str(r["simulations"]), f"{r['seconds']:.1f}",
+                    f"{r['seconds'] / unit:.1f}", "-" if worst is None else f"{worst:.1%}",
+                    " ".join(f"{k}={v:.3g}" for k, v in r.get("fitted", {}).items()))
+    console.print(out)
     separate = [r for r in rows if r["case"].startswith("separate")]
     joint = [r for r in rows if r["case"].startswith("joint")]
     if separate:

@@ -1,13 +1,12 @@
 """Cost-model report: A100-40GB + Mistral-7B iteration time against batch composition, and the
 fitted operator model against the measured A100 points.
 
-Run: python benchmarks/costmodel_report.py [--out out/costmodel]
+Run: python -m benchmarks.simulator.costmodel_report [--out out/costmodel]
 Prints the table; writes heatmap.png and a100_fit.png.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -16,8 +15,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
 
+from benchmarks.common import ROOT, parser, table  # noqa: E402
 from orthrus_sim.costmodel import (  # noqa: E402
     BatchShape,
     CostModel,
@@ -29,26 +28,23 @@ from orthrus_sim.costmodel import (  # noqa: E402
 from orthrus_sim.costmodel.profiling_csv import load_operator_rows  # noqa: E402
 from orthrus_sim.engine import ItemKind  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 DECODES = [0, 1, 8, 32, 64, 128, 256]
 EMBED_TOKENS = [0, 128, 512, 1024, 2048, 4096]
 CONTEXT = 640  # 128-token prompt + half of a 512-token output
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="out/costmodel")
-    out = Path(parser.parse_args().out)
+    ap = parser(__doc__)
+    ap.add_argument("--out", default="out/costmodel")
+    out = Path(ap.parse_args().out)
     out.mkdir(parents=True, exist_ok=True)
     hw = get_hardware("a100-40gb")
     cal = load_calibration(ROOT / "calibration" / "a100-40gb.json")
     cost = CostModel(hw, get_model("mistral-7b-v0.1"), cal.to_coefficients(), LoRASpec(16))
 
     grid = np.zeros((len(DECODES), len(EMBED_TOKENS)))
-    table = Table(title=f"Iteration time (ms), A100-40GB, Mistral-7B + LoRA r16, decode context {CONTEXT}")
-    table.add_column("decodes \\ embed tokens", justify="right")
-    for e in EMBED_TOKENS:
-        table.add_column(str(e), justify="right")
+    times = table(f"Iteration time (ms), A100-40GB, Mistral-7B + LoRA r16, decode context {CONTEXT}",
+                  ["decodes \\ embed tokens", *map(str, EMBED_TOKENS)])
     for i, d in enumerate(DECODES):
         cells = []
         for j, e in enumerate(EMBED_TOKENS):
@@ -57,15 +53,13 @@ def main() -> None:
                 [(ItemKind.EMBED_CHUNK, e, 0)] if e else [])
             grid[i, j] = cost.shape_time(BatchShape.from_items(items)) * 1e3 if items else np.nan
             cells.append("-" if not items else f"{grid[i, j]:.1f}")
-        table.add_row(str(d), *cells)
+        times.add_row(str(d), *cells)
     console = Console()
-    console.print(table)
+    console.print(times)
 
     # Gain of mixing: one mixed iteration against the decode-only and embedding-only ones.
-    gain = Table(title="Mixed iteration / (decode-only + embedding-only), lower is better")
-    gain.add_column("decodes \\ embed tokens", justify="right")
-    for e in EMBED_TOKENS[1:]:
-        gain.add_column(str(e), justify="right")
+    gain = table("Mixed iteration / (decode-only + embedding-only), lower is better",
+                 ["decodes \\ embed tokens", *map(str, EMBED_TOKENS[1:])])
     for i, d in enumerate(DECODES[1:], start=1):
         gain.add_row(str(d), *[f"{grid[i, j] / (grid[i, 0] + grid[0, j]):.2f}"
                                for j in range(1, len(EMBED_TOKENS))])

@@ -14,15 +14,18 @@ times after a warm-up: peak KV blocks in use during a pass and embeddings per se
 timing: run it under the benchmark lock, ``flock /tmp/orthrus-bench.lock ...``), for inputs of
 one chunk and of two.
 
-Run: python benchmarks/embedding_kv.py scenarios/kv_pressure.yaml
-     python benchmarks/embedding_kv.py scenarios/mix_sweep.yaml --set workload.generation_share=0.5
-     python benchmarks/embedding_kv.py --engine [--repeats 3] [--model DIR]
+Run: python -m benchmarks.simulator.embedding_kv scenarios/kv_pressure.yaml
+     python -m benchmarks.simulator.embedding_kv scenarios/mix_sweep.yaml \
+         --set workload.generation_share=0.5
+     python -m benchmarks.simulator.embedding_kv --engine [--repeats 3] [--model DIR]
 """
 
 from __future__ import annotations
 
-import argparse
+from functools import partial
+from pathlib import Path
 
+from benchmarks.common import add_model_argument, alternate, model_dir, parser, random_tokens, timed
 from orthrus_sim.experiment.plan import plan_configuration
 from orthrus_sim.experiment.scenario import is_unified, load_scenario
 from orthrus_sim.sim.run import simulate
@@ -90,28 +93,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def engine_figures(model: str | None, repeats: int) -> str:
+def engine_figures(model: Path, repeats: int) -> str:
     """Peak blocks in use and embeddings/s of the PyTorch engine, ``all`` against ``read``."""
     import statistics
-    import tempfile
-    import time
-    from pathlib import Path
 
     import numpy as np
     import torch
 
-    from orthrus_real.engine.init_model import init_model
     from orthrus_real.engine.torch_engine import Engine
     from orthrus_sim.engine import SchedulerConfig
 
     torch.set_num_threads(2)
-    tmp = tempfile.TemporaryDirectory()
-    model_dir = model or init_model(Path(tmp.name) / "small", "llama", "small", seed=0)
     count, chunk = 32, 512
     engines, peaks = {}, {}
     for mode in MODES:
-        eng = Engine(model_dir, scheduler=SchedulerConfig(token_budget=2048, chunk_size=chunk,
-                                                          embedding_kv=mode),
+        eng = Engine(model, scheduler=SchedulerConfig(token_budget=2048, chunk_size=chunk,
+                                                      embedding_kv=mode),
                      kv_cache_tokens=count * 2 * chunk)
         forward = eng.forward
 
@@ -122,26 +119,25 @@ def engine_figures(model: str | None, repeats: int) -> str:
         eng.forward = watched
         engines[mode] = eng
     rng = np.random.default_rng(0)
-    top = min(8000, engines["read"].cfg.vocab_size)
+    vocab = engines["read"].cfg.vocab_size
     names = iter(range(10**9))
-    lines = [f"PyTorch engine, {Path(model_dir).name} model, {engines['read'].cfg.dtype}, "
+    lines = [f"PyTorch engine, {model.name} model, {engines['read'].cfg.dtype}, "
              f"{count} inputs a run, chunk_size {chunk}, median of {repeats}:", "",
              "| input tokens | embedding_kv | peak KV blocks in use | embeddings/s | "
              "read / all |", "|---|---|---|---|---|"]
+
+    def embed_all(eng: Engine, inputs: list[list[int]]) -> None:
+        for x in inputs:
+            eng.add_embedding(f"e{next(names)}", token_ids=x, pooling="mean")
+        eng.run_until_idle()
+
     for length in (128, chunk + 128):
-        inputs = [[int(t) for t in rng.integers(4, top, length)] for _ in range(count)]
-        times: dict[str, list[float]] = {m: [] for m in MODES}
+        inputs = [random_tokens(rng, length, vocab) for _ in range(count)]
         peaks.clear()
-        for rep in range(repeats + 1):  # the first round warms up
-            for mode in MODES:
-                eng = engines[mode]
-                start = time.perf_counter()
-                for x in inputs:
-                    eng.add_embedding(f"e{next(names)}", token_ids=x, pooling="mean")
-                eng.run_until_idle()
-                if rep:
-                    times[mode].append(time.perf_counter() - start)
-        rate = {m: count / statistics.median(times[m]) for m in MODES}
+        times = alternate({m: partial(timed, partial(embed_all, engines[m], inputs))
+                           for m in MODES}, repeats + 1, reverse=False)
+        # the first round warms up
+        rate = {m: count / statistics.median(times[m][1:]) for m in MODES}
         for mode in MODES:
             ratio = f"{rate['read'] / rate['all']:.3f}x" if mode == "read" else ""
             lines.append(f"| {length} | {mode} | {peaks.get(mode, 0)} | {rate[mode]:.2f} | "
@@ -150,10 +146,10 @@ def engine_figures(model: str | None, repeats: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("scenario", nargs="?")
     ap.add_argument("--engine", action="store_true", help="the PyTorch engine, not a scenario")
-    ap.add_argument("--model", default=None, help="--engine: model directory (default: small)")
+    add_model_argument(ap, "small", "; with --engine")
     ap.add_argument("--repeats", type=int, default=3, help="--engine: timed rounds")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="section.key=value, as orthrus-sim run --set")
@@ -161,7 +157,8 @@ def main() -> None:
                     help="comma-separated (default: the scenario's unified ones, which co-serve)")
     args = ap.parse_args()
     if args.engine:
-        print(engine_figures(args.model, args.repeats))
+        with model_dir(args.model, "small") as model:
+            print(engine_figures(model, args.repeats))
         return
     if not args.scenario:
         ap.error("give a scenario, or --engine")

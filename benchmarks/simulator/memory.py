@@ -7,7 +7,7 @@ per-request rows streamed to a CSV as ``orthrus-sim run`` writes them. Each size
 own process; the table gives its peak resident memory (targets: under 1 GiB at 10^6) and wall
 seconds per 1,000 requests (target: flat, i.e. wall time linear in the request count).
 
-Run: python benchmarks/simulator_memory.py [--sizes 10000,100000,1000000] [--rate 160]
+Run: python -m benchmarks.simulator.memory [--sizes 10000,100000,1000000] [--rate 160]
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import argparse
 import json
 import resource
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
+
+from benchmarks.common import ROOT, parser, python_module, table
 
 SCENARIO = {
     "name": "long-open-loop", "seed": 0, "calibration": "a100-40gb", "cluster": {"gpus": 4},
@@ -55,37 +55,36 @@ def child(n: int, rate: float, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes", default="10000,100000,1000000")
-    parser.add_argument("--rate", type=float, default=SCENARIO["workload"]["arrival"]["rate"],
-                        help="arrivals per second (both kinds)")
-    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--sizes", default="10000,100000,1000000")
+    ap.add_argument("--rate", type=float, default=SCENARIO["workload"]["arrival"]["rate"],
+                    help="arrivals per second (both kinds)")
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
     if args.child is not None:
         child(args.child, args.rate, args.out)
         return
     console = Console()
-    table = Table(title="Simulator memory and time against request count "
-                        f"(4 GPUs, open loop, {args.rate:g} requests/s)")
-    for col in ("requests", "wall s", "s per 1,000 requests", "peak RSS MiB", "rows in CSV",
-                "generation p99 s", "percentiles"):
-        table.add_column(col, justify="right")
+    sizes = table("Simulator memory and time against request count "
+                  f"(4 GPUs, open loop, {args.rate:g} requests/s)",
+                  ["requests", "wall s", "s per 1,000 requests", "peak RSS MiB", "rows in CSV",
+                   "generation p99 s", "percentiles"])
     first = None
     for n in (int(x) for x in args.sizes.split(",")):
         with tempfile.TemporaryDirectory() as out:
-            proc = subprocess.run([sys.executable, __file__, "--child", str(n), "--rate", str(args.rate),
-                                   "--out", out],
-                                  capture_output=True, text=True, check=True)
+            proc = subprocess.run(python_module(__spec__.name, "--child", str(n), "--rate",
+                                                str(args.rate), "--out", out),
+                                  capture_output=True, text=True, check=True, cwd=ROOT)
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         per_k = 1000 * r["wall_s"] / n
         first = first or per_k
-        table.add_row(f"{n:,}", f"{r['wall_s']:.1f}", f"{per_k:.3f} ({per_k / first:.2f}x)",
+        sizes.add_row(f"{n:,}", f"{r['wall_s']:.1f}", f"{per_k:.3f} ({per_k / first:.2f}x)",
                       f"{r['peak_rss'] / 2**20:,.0f}", f"{r['csv_rows']:,}",
                       f"{r['generation_p99']:.2f}",
                       "exact" if r["p99_exact"] else "sketch, within 0.5 %")
         console.print(f"{n:,} requests: {r['wall_s']:.1f} s", highlight=False)
-    console.print(table)
+    console.print(sizes)
 
 
 if __name__ == "__main__":

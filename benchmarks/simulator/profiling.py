@@ -1,6 +1,6 @@
 """Where a simulation's time goes, at one replica and at four, and what grows with the cluster.
 
-Runs Vidur's reference workload (the one ``simulator_speed.py`` times: 10,000 requests on one
+Runs Vidur's reference workload (the one ``benchmarks/simulator/speed.py`` times: 10,000 requests on one
 replica, 40,000 on four) twice per case: once counting what happens (SimPy events, schedules,
 iterations, decode runs and their phases, cohort joins; no profiler, so its wall time is real),
 once under cProfile, summing each function's own time by area of the code. Built-in calls
@@ -9,21 +9,19 @@ made them, in proportion to the time each caller spent in them, so the areas add
 run. Every figure is per simulated request, so the two cases compare directly: four replicas
 serve four times the requests, and a column that grows says what costs more than linearly.
 cProfile slows a run about threefold and inflates small, often-called functions most: the
-shares are for finding where to look, the wall figures belong to ``simulator_speed.py``.
+shares are for finding where to look, the wall figures belong to ``speed.py``.
 
 ``--paper CONFIG`` adds the mix sweep's paper-scale point (``scenarios/mix_sweep.yaml``: 4
 GPUs, 512 closed-loop clients, 180 s) for one configuration, per request it issued: a workload
 whose cost is its requests (~56,000 embeddings), not its iterations.
 
-Run: python benchmarks/simulator_profile.py [--replicas 1 4] [--paper orthrus] [--stepping]
-                                            [--top 15] [--out profile.json]
+Run: python -m benchmarks.simulator.profiling [--replicas 1 4] [--paper orthrus] [--stepping]
+                                                [--top 15] [--out profile.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import json
 import pstats
 import time
 from collections import Counter, defaultdict
@@ -31,12 +29,13 @@ from pathlib import Path
 
 import simpy
 from rich.console import Console
-from rich.table import Table
-from simulator_speed import WORKLOADS, orthrus_scenario
 
 import orthrus_sim.engine.cohort as cohort_module
 import orthrus_sim.sim.replica as replica_module
+from benchmarks.common import parser, table
+from benchmarks.simulator.speed import WORKLOADS, orthrus_scenario
 from orthrus_sim.engine.policy import Policy
+from orthrus_sim.experiment.results import write_json
 from orthrus_sim.experiment.scenario import load_scenario, parse_scenario
 from orthrus_sim.sim.run import simulate
 
@@ -128,7 +127,7 @@ def counted(scenario, configuration: str, fast: bool) -> tuple[dict[str, int], f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 4], choices=sorted(WORKLOADS))
     ap.add_argument("--paper", metavar="CONFIG",
                     help="add the mix sweep's paper-scale point for this configuration")
@@ -164,28 +163,21 @@ def main() -> None:
     g = len(args.replicas) - 1  # growth: the last replica count over the first
     grows = g > 0
     first, last = cases[names[0]], cases[names[g]]
-    table = Table(title=f"Per simulated request, {mode} (counts: no profiler)")
-    table.add_column("what")
-    for name in names:
-        table.add_column(name, justify="right")
-    if grows:
-        table.add_column("growth", justify="right")
+    growth_column = ["growth"] if grows else []
+    counts = table(f"Per simulated request, {mode} (counts: no profiler)",
+                   [*names, *growth_column], label="what")
     for key in first["counts"]:
         vals = [c["counts"].get(key, 0) / c["requests"] for c in cases.values()]
         growth = [f"{vals[g] / vals[0]:.2f}x" if vals[0] else ""] if grows else []
-        table.add_row(key, *[f"{v:.2f}" for v in vals], *growth)
+        counts.add_row(key, *[f"{v:.2f}" for v in vals], *growth)
     vals = [1e6 * c["wall_s"] / c["requests"] for c in cases.values()]
-    table.add_row("[bold]wall us (simulate)[/]", *[f"{v:.0f}" for v in vals],
-                  *([f"{vals[g] / vals[0]:.2f}x"] if grows else []))
-    console.print(table)
+    counts.add_row("[bold]wall us (simulate)[/]", *[f"{v:.0f}" for v in vals],
+                   *([f"{vals[g] / vals[0]:.2f}x"] if grows else []))
+    console.print(counts)
 
-    table = Table(title="Profiled microseconds per simulated request, by area (cProfile)")
-    table.add_column("area")
-    for name in names:
-        table.add_column(name, justify="right")
-        table.add_column("share", justify="right")
-    if grows:
-        table.add_column("growth", justify="right")
+    by_area = table("Profiled microseconds per simulated request, by area (cProfile)",
+                    [*[col for name in names for col in (name, "share")], *growth_column],
+                    label="area")
     areas = sorted({a for c in cases.values() for a in c["areas_s"]},
                    key=lambda a: -last["areas_s"].get(a, 0.0))
     for area in areas:
@@ -197,20 +189,18 @@ def main() -> None:
             a0 = first["areas_s"].get(area, 0.0) / first["requests"]
             a1 = last["areas_s"].get(area, 0.0) / last["requests"]
             row.append(f"{a1 / a0:.2f}x" if a0 else "")
-        table.add_row(area, *row)
-    console.print(table)
+        by_area.add_row(area, *row)
+    console.print(by_area)
 
-    top = Table(title=f"Top {args.top} functions by own time, {names[-1]}")
-    top.add_column("function")
-    top.add_column("own s", justify="right")
-    top.add_column("us per request", justify="right")
+    top = table(f"Top {args.top} functions by own time, {names[-1]}",
+                ["own s", "us per request"], label="function")
     shown = cases[names[-1]]
     for name, seconds in list(shown["top_functions_s"].items())[:args.top]:
         top.add_row(name, f"{seconds:.2f}", f"{1e6 * seconds / shown['requests']:.1f}")
     console.print(top)
     if args.out:
         doc = {"fast_forward": fast, "cases": {str(k): v for k, v in cases.items()}}
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(doc, Path(args.out))
         console.print(f"wrote {args.out}")
 
 

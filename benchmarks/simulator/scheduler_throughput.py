@@ -2,18 +2,17 @@
 
 Each timed iteration is one ``schedule`` + ``complete`` pair on a replica that is kept in steady
 state: finished requests are replaced so the queue stays at 512 and the running set near 256.
-Run: python benchmarks/scheduler_throughput.py [--seconds 1.0]
+Run: python -m benchmarks.simulator.scheduler_throughput [--seconds 1.0]
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
 
 from rich.console import Console
-from rich.table import Table
 
+from benchmarks.common import parser, table
 from orthrus_sim.engine import Request, SchedulerConfig, make_policy
 
 POLICIES = ["ibs", "unified-hetero", "unified-homo", "generation", "embedding-only"]
@@ -66,16 +65,15 @@ def measure(name: str, seconds: float) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=1.0)
-    args = parser.parse_args()
-    table = Table(title="Scheduling iterations per second (512 queued, up to 256 running)")
-    for col in ("policy", "iterations/s", "items/batch", "requests holding KV"):
-        table.add_column(col, justify="right")
+    ap = parser(__doc__)
+    ap.add_argument("--seconds", type=float, default=1.0)
+    args = ap.parse_args()
+    out = table("Scheduling iterations per second (512 queued, up to 256 running)",
+                ["policy", "iterations/s", "items/batch", "requests holding KV"])
     for name in POLICIES:
         rate, per_batch, holding = measure(name, args.seconds)
-        table.add_row(name, f"{rate:,.0f}", f"{per_batch:.0f}", str(holding))
-    Console().print(table)
+        out.add_row(name, f"{rate:,.0f}", f"{per_batch:.0f}", str(holding))
+    Console().print(out)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,10 @@ checkout (``git worktree add DIR REV``) beside it, alternated, for a before/afte
 under valgrind (cachegrind, no cache simulation) instead of timing it, beside ``--baseline DIR``:
 a before/after ratio that neighbours do not move, for changes of a few per cent.
 
-Run: python benchmarks/simulator_speed.py --vidur DIR --vidur-python PY
+Run: python -m benchmarks.simulator.speed --vidur DIR --vidur-python PY
      [--rounds 3] [--replicas 1 4] [--no-stepping] [--no-default] [--out speed.json]
-     python benchmarks/simulator_speed.py --paper [--baseline DIR] [--rounds 3] [--out paper.json]
-     python benchmarks/simulator_speed.py --instructions [--baseline DIR] [--rounds 2]
+     python -m benchmarks.simulator.speed --paper [--baseline DIR] [--rounds 3] [--out paper.json]
+     python -m benchmarks.simulator.speed --instructions [--baseline DIR] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -43,10 +43,13 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-# statistics and subprocess are imported where used: the timed child process (``child``)
-# should pay for Orthrus's imports, not the harness's
+# statistics, subprocess and benchmarks.common are imported where used: the timed child process
+# (``child``) should pay for Orthrus's imports, not the harness's. The child runs this file (not
+# ``-m``), so that with ``--baseline DIR`` (``PYTHONPATH=DIR``) it is this checkout's workload
+# that another checkout's orthrus_sim simulates: the child imports nothing from ``benchmarks``.
 
 TARGETS = {"lean": 20.0, "default": 30.0}  # x Vidur, whole processes
 LINEAR_TARGET = 4.2  # 4 replicas (4x the requests) over 1 replica, Orthrus's simulate time
@@ -127,6 +130,12 @@ def run_orthrus(replicas: int, fast: bool) -> dict:
     return {"process_s": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
+def fastest_orthrus(replicas: int, repeat: int) -> dict:
+    """The fastest of ``repeat`` runs of Orthrus's fast path: it stands for the round."""
+    return min((run_orthrus(replicas, fast=True) for _ in range(max(1, repeat))),
+               key=lambda r: r["process_s"])
+
+
 def child(replicas: int, fast: bool) -> None:
     """The Orthrus process: parse the scenario, simulate it, print its figures as JSON."""
     from orthrus_sim.experiment.scenario import parse_scenario
@@ -176,8 +185,7 @@ def paper_scale(console, rounds: int, repeat: int, baseline: Path | None) -> dic
     rounds), and with ``baseline`` (another checkout) the same beside it, alternated."""
     import statistics
 
-    from rich.table import Table
-
+    from benchmarks.common import in_turn, table
     from orthrus_sim.experiment.scenario import load_scenario
 
     configurations = load_scenario("mix_sweep").configurations
@@ -185,16 +193,14 @@ def paper_scale(console, rounds: int, repeat: int, baseline: Path | None) -> dic
     runs: dict[str, dict[str, list[dict]]] = {t: {c: [] for c in configurations} for t in trees}
     for r in range(rounds):
         console.print(f"[dim]mix sweep at paper scale, round {r + 1}/{rounds}[/]")
-        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
         for c in configurations:
-            for t in order:
+            for t in in_turn(list(trees), r):
                 runs[t][c].append(min((run_paper(c, trees[t]) for _ in range(max(1, repeat))),
                                       key=lambda x: x["simulate_s"]))
-    table = Table(title=f"The mix sweep's paper-scale point: 4 GPUs, 512 clients, 180 s "
-                        f"(simulate seconds, medians of {rounds})")
-    for col in ["configuration", "seconds", "requests issued", "us per request"] + (
-            ["baseline s", "x baseline"] if baseline is not None else []):
-        table.add_column(col, justify="right")
+    out = table(f"The mix sweep's paper-scale point: 4 GPUs, 512 clients, 180 s "
+                f"(simulate seconds, medians of {rounds})",
+                ["configuration", "seconds", "requests issued", "us per request"]
+                + (["baseline s", "x baseline"] if baseline is not None else []))
     medians: dict[str, dict[str, float]] = {t: {} for t in trees}
     for c in configurations:
         for t in trees:
@@ -204,8 +210,8 @@ def paper_scale(console, rounds: int, repeat: int, baseline: Path | None) -> dic
         row = [c, f"[{mark}]{sec:.2f}[/]", f"{issued:,}", f"{1e6 * sec / issued:.1f}"]
         if baseline is not None:
             row += [f"{medians['baseline'][c]:.2f}", f"{sec / medians['baseline'][c]:.2f}"]
-        table.add_row(*row)
-    console.print(table)
+        out.add_row(*row)
+    console.print(out)
     met = sum(medians["this"][c] < PAPER_TARGET_S for c in configurations)
     console.print(f"under {PAPER_TARGET_S:g} s: {met} of {len(configurations)} configurations")
     return {"runs": runs, "medians": medians, "target_s": PAPER_TARGET_S}
@@ -237,26 +243,25 @@ def count_instructions(replicas: int, tree: Path | None) -> int:
 
 def instructions(console, rounds: int, replicas: int, baseline: Path | None) -> dict:
     """``count_instructions`` of this checkout and ``baseline``, alternated, medians."""
-    import statistics
     import subprocess
+
+    from benchmarks.common import alternate, medians
 
     trees = {"this": None} | ({"baseline": baseline} if baseline is not None else {})
     for tree in trees.values():  # bytecode caches written outside the count, as run_orthrus does
         env = child_env(**({"PYTHONPATH": str(tree)} if tree is not None else {}))
         subprocess.run([sys.executable, __file__, "--child", str(replicas)], env=env,
                        capture_output=True, check=True)
-    counts: dict[str, list[int]] = {t: [] for t in trees}
-    for r in range(rounds):
-        console.print(f"[dim]instructions, {replicas} replica(s), round {r + 1}/{rounds}[/]")
-        for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-            counts[t].append(count_instructions(replicas, trees[t]))
-    medians = {t: statistics.median(v) for t, v in counts.items()}
-    line = f"instructions, {replicas} replica(s), whole process: this {medians['this']:,.0f}"
+    counts = alternate({t: partial(count_instructions, replicas, tree) for t, tree in trees.items()},
+                       rounds, announce=lambda r: console.print(
+                           f"[dim]instructions, {replicas} replica(s), round {r + 1}/{rounds}[/]"))
+    middle = medians(counts)
+    line = f"instructions, {replicas} replica(s), whole process: this {middle['this']:,.0f}"
     if baseline is not None:
-        line += (f", baseline {medians['baseline']:,.0f}: "
-                 f"{medians['this'] / medians['baseline']:.3f}x")
+        line += (f", baseline {middle['baseline']:,.0f}: "
+                 f"{middle['this'] / middle['baseline']:.3f}x")
     console.print(line)
-    return {"replicas": replicas, "counts": counts, "medians": medians}
+    return {"replicas": replicas, "counts": counts, "medians": middle}
 
 
 def main() -> None:
@@ -294,20 +299,30 @@ def main() -> None:
         paper_child(args.paper_child)
         return
 
-    import statistics
-
     from rich.console import Console
-    from rich.table import Table
+
+    from orthrus_sim.experiment.results import write_json
 
     console = Console(width=max(Console().width, 120))
-    if args.paper or args.instructions:
-        report = (paper_scale(console, args.rounds, args.orthrus_repeat, args.baseline)
-                  if args.paper else instructions(console, args.rounds, args.replicas[0],
-                                                  args.baseline))
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-            console.print(f"wrote {args.out}")
-        return
+    if args.paper:
+        report = paper_scale(console, args.rounds, args.orthrus_repeat, args.baseline)
+    elif args.instructions:
+        report = instructions(console, args.rounds, args.replicas[0], args.baseline)
+    else:
+        report = against_vidur(console, args)
+    if args.out:
+        write_json(report, Path(args.out))
+        console.print(f"wrote {args.out}")
+
+
+def against_vidur(console, args) -> dict:
+    """Vidur (lean and default) and Orthrus (its fast path, and stepping every iteration) on
+    Vidur's reference workload, alternated round by round, for each replica count: the table,
+    each round's ratio and the growth from one replica to four."""
+    import statistics
+
+    from benchmarks.common import alternate, table
+
     src = Path(args.vidur) if args.vidur else None
     if src is None or not (src / "bench.py").is_file():
         console.print("[yellow]No Vidur checkout (--vidur DIR with bench.py): Orthrus only, "
@@ -317,34 +332,26 @@ def main() -> None:
     work = Path(args.work_dir)
     report: dict = {"rounds": args.rounds, "targets_x_vidur": TARGETS, "workloads": {}}
     for replicas in args.replicas:
-        names = [f"vidur-{m}" for m in vidur_modes] + ["orthrus"]
-        names += [] if args.no_stepping else ["orthrus-stepping"]
-        runs: dict[str, list[dict]] = {name: [] for name in names}
-        ratios: dict[str, list[float]] = {m: [] for m in vidur_modes}
+        systems = {f"vidur-{m}": partial(run_vidur, src, args.vidur_python, replicas, work,
+                                         lean=m == "lean") for m in vidur_modes}
+        systems["orthrus"] = partial(fastest_orthrus, replicas, args.orthrus_repeat)
+        if not args.no_stepping:
+            systems["orthrus-stepping"] = partial(run_orthrus, replicas, fast=False)
+        names = list(systems)
         if src is not None:  # the first Vidur run fits and caches its predictor: not timed
             run_vidur(src, args.vidur_python, replicas, work, lean=True)
         run_orthrus(replicas, fast=True)  # bytecode caches written: not timed
-        for r in range(args.rounds):
-            console.print(f"[dim]{replicas} replica(s), round {r + 1}/{args.rounds}[/]")
-            order = names if r % 2 == 0 else names[::-1]  # alternate who goes first
-            for name in order:
-                if name.startswith("vidur-"):
-                    run = run_vidur(src, args.vidur_python, replicas, work, lean=name == "vidur-lean")
-                elif name == "orthrus":
-                    run = min((run_orthrus(replicas, fast=True)
-                               for _ in range(max(1, args.orthrus_repeat))),
-                              key=lambda r: r["process_s"])
-                else:
-                    run = run_orthrus(replicas, fast=False)
-                runs[name].append(run)
-            for m in vidur_modes:
-                ratios[m].append(runs[f"vidur-{m}"][-1]["process_s"] / runs["orthrus"][-1]["process_s"])
+        runs = alternate(systems, args.rounds, announce=lambda r, n=replicas: console.print(
+            f"[dim]{n} replica(s), round {r + 1}/{args.rounds}[/]"))
+        # each round's ratio between neighbours
+        ratios = {m: [v["process_s"] / o["process_s"] for v, o in zip(runs[f"vidur-{m}"],
+                                                                      runs["orthrus"])]
+                  for m in vidur_modes}
         requests, rate = WORKLOADS[replicas]
-        table = Table(title=f"Vidur's reference workload: {replicas} x A100, Llama-2-7B, "
-                            f"{requests:,} requests Poisson {rate:g}/s (medians of {args.rounds})")
-        for col in ("simulator", "process s", "loop s", "iterations", "simulated s",
-                    "requests / process-s", "x lean Vidur", "x default Vidur"):
-            table.add_column(col, justify="right")
+        out = table(f"Vidur's reference workload: {replicas} x A100, Llama-2-7B, "
+                    f"{requests:,} requests Poisson {rate:g}/s (medians of {args.rounds})",
+                    ["simulator", "process s", "loop s", "iterations", "simulated s",
+                     "requests / process-s", "x lean Vidur", "x default Vidur"])
         labels = {"vidur-default": "Vidur, default", "vidur-lean": "Vidur, lean",
                   "orthrus": "Orthrus, decode runs", "orthrus-stepping": "Orthrus, every iteration"}
         medians = {}
@@ -356,10 +363,10 @@ def main() -> None:
             med = medians[name]
             xs = [f"{medians[f'vidur-{m}']['process_s'] / med['process_s']:.1f}"
                   if f"vidur-{m}" in medians else "" for m in ("lean", "default")]
-            table.add_row(labels[name], f"{med['process_s']:.2f}", f"{med['loop_s']:.2f}",
-                          f"{med['iterations']:,.0f}", f"{med['sim_end_s']:,.0f}",
-                          f"{requests / med['process_s']:,.0f}", *xs)
-        console.print(table)
+            out.add_row(labels[name], f"{med['process_s']:.2f}", f"{med['loop_s']:.2f}",
+                        f"{med['iterations']:,.0f}", f"{med['sim_end_s']:,.0f}",
+                        f"{requests / med['process_s']:,.0f}", *xs)
+        console.print(out)
         for m in vidur_modes:
             ratio = statistics.median(ratios[m])
             verdict = "[green]meets[/]" if ratio >= TARGETS[m] else "[red]misses[/]"
@@ -375,9 +382,7 @@ def main() -> None:
         console.print(f"Orthrus, 4 replicas (4x the requests) / 1 replica, simulate time: "
                       f"{growth:.2f}x ({verdict} the {LINEAR_TARGET}x target)")
         report["four_over_one_loop"] = growth
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"wrote {args.out}")
+    return report
 
 
 if __name__ == "__main__":

@@ -6,24 +6,24 @@ capacity spent on anything but simulating, ``(wall * workers - sum of point time
 From those two figures it extrapolates a 10,000-point sweep on this machine and on a cluster of
 ``--cluster-cpus`` CPUs.
 
-    python benchmarks/sweep_cost.py                        # 200 points: 50 seeds x 4 budgets
-    python benchmarks/sweep_cost.py --seeds 10 --no-ray    # smaller, local processes only
+    python -m benchmarks.simulator.sweep_cost                       # 200 points: 50 seeds x 4 budgets
+    python -m benchmarks.simulator.sweep_cost --seeds 10 --no-ray   # smaller, local processes only
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
+from benchmarks.common import alternate, parser, table
+from orthrus_sim.experiment.results import write_json
 from orthrus_sim.experiment.scenario import read_scenario, scenario_path
 from orthrus_sim.questions.sweep import run_sweep
 
@@ -53,7 +53,7 @@ def run_once(backend: str, args, work: Path, console: Console) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--scenario", default="quickstart")
     ap.add_argument("--set", action="append", default=[],
                     help="scenario override (default: 20 simulated seconds, 5 s warm-up)")
@@ -68,24 +68,22 @@ def main() -> None:
     console = Console()
     backends = ["local"] if args.no_ray else ["local", "ray"]
     work = Path(tempfile.mkdtemp(prefix="orthrus-sweep-cost-"))
-    results = []
     try:
-        for _ in range(args.rounds):
-            for b in backends:
-                results.append(run_once(b, args, work, console))
+        runs = alternate({b: partial(run_once, b, args, work, console) for b in backends},
+                         args.rounds, reverse=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    results = [r for each_round in zip(*runs.values()) for r in each_round]  # in run order
     if len(backends) == 2:
         same = all(r["throughput"] == results[0]["throughput"] for r in results)
         console.print(f"identical numbers on both backends: {same}", highlight=False)
-    table = Table(title=f"sweep cost: {results[0]['points']} points of {args.scenario} "
-                        f"({' '.join(args.set)}), {args.workers} workers")
-    for col in ("backend", "wall s", "point s (median)", "overhead per task s",
-                "10,000 points here", f"10,000 points on {args.cluster_cpus} CPUs"):
-        table.add_column(col, justify="right")
+    out = table(f"sweep cost: {results[0]['points']} points of {args.scenario} "
+                f"({' '.join(args.set)}), {args.workers} workers",
+                ["backend", "wall s", "point s (median)", "overhead per task s",
+                 "10,000 points here", f"10,000 points on {args.cluster_cpus} CPUs"])
     summary = []
     for b in backends:
-        rs = [r for r in results if r["backend"] == b]
+        rs = runs[b]
         wall = statistics.median(r["wall_s"] for r in rs)
         point = statistics.median(r["point_s_mean"] for r in rs)
         over = statistics.median(r["overhead_per_task_s"] for r in rs)
@@ -93,15 +91,14 @@ def main() -> None:
         cluster = 10_000 * (point + over) / args.cluster_cpus
         summary.append({"backend": b, "wall_s": wall, "point_s": point, "overhead_per_task_s": over,
                         "extrapolated_10k_here_s": here, "extrapolated_10k_cluster_s": cluster})
-        table.add_row(b, f"{wall:.1f}", f"{statistics.median(r['point_s_median'] for r in rs):.3f}",
-                      f"{over:.3f}", f"{here / 60:.0f} min", f"{cluster / 60:.1f} min")
-    console.print(table)
+        out.add_row(b, f"{wall:.1f}", f"{statistics.median(r['point_s_median'] for r in rs):.3f}",
+                    f"{over:.3f}", f"{here / 60:.0f} min", f"{cluster / 60:.1f} min")
+    console.print(out)
     if args.out:
         for r in results:
             r.pop("throughput")
-        args.out.write_text(json.dumps({"cpu_count": os.cpu_count(), "workers": args.workers,
-                                        "set": args.set, "runs": results, "summary": summary},
-                                       indent=2))
+        write_json({"cpu_count": os.cpu_count(), "workers": args.workers, "set": args.set,
+                    "runs": results, "summary": summary}, args.out)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Why not httpx here (the gateway uses it for probes, metrics and admin calls): relaying is the
 gateway's whole cost per request, and httpx's pool and models cost about twice the rest of a
-relay together on this machine (``benchmarks/gateway_overhead.py``). The peer is always a
+relay together on this machine (``benchmarks/cluster/gateway_overhead.py``). The peer is always a
 replica's own server (uvicorn), so the client needs little: keep-alive connections per replica,
 a request with a body, a response head, and a body by ``content-length`` or chunked, each chunk
 handed on as it arrives (a stream's events are not held back).

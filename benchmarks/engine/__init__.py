@@ -1,0 +1,1 @@
+"""Benchmarks of the PyTorch engine and the vLLM plug-in."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the simulator, the scheduling core, sweeps and the cost model."""
