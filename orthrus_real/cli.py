@@ -100,7 +100,7 @@ def _settings(scenario, configuration, set_, policy, token_budget=None, chunk_si
     from orthrus_sim.experiment.scenario import load_scenario
 
     sc = load_scenario(scenario, set_)
-    return (*engine_plan(sc, configuration or sc.configurations[0]), sc.calibration)
+    return (*engine_plan(sc, configuration or sc.configurations[0]), sc.calibration_file)
 
 
 @app.command()

@@ -61,11 +61,17 @@ def run(
 
 
 def _calibration_warning(sc) -> None:
-    from orthrus_sim.costmodel.machine import scenario_warning
+    """On stderr (stdout may be JSON): a calibration made for other hardware or another dtype,
+    and a note where the figures are derived from another card's fit or a bare roofline."""
+    from orthrus_sim.costmodel.machine import calibration_note, scenario_warning
 
+    err = make_console(stderr=True)
     warning = scenario_warning(sc)
     if warning:
-        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+        err.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+    note = calibration_note(sc)
+    if note:
+        err.print(f"note: {escape(note)}", highlight=False)
 
 
 @app.command()
@@ -152,6 +158,7 @@ def capacity(
         fail(f"--max-parallel must be >= 0, got {max_parallel}")
     try:
         sc = load_scenario(scenario, set_)
+        _calibration_warning(sc)
         run_capacity(sc, out, attainment, tolerance, _demand(demand), max_gpus,
                      max_parallel or None, ray, console)
     except ValueError as exc:
@@ -172,6 +179,7 @@ def validate(
 
     try:
         sc = load_scenario(scenario, set_)
+        _calibration_warning(sc)
         table = Table(title=f"{sc.name}: placement ({sc.cluster.gpus} x {sc.hardware}, {sc.model})")
         for col in ("configuration", "GPU", "role", "policy", "token budget", "chunk", "KV blocks"):
             table.add_column(col, overflow="fold")
@@ -397,6 +405,7 @@ def predict(
     try:
         _check_seeds(seeds)
         sc = load_scenario(scenario, set_)
+        _calibration_warning(sc)
         cal = load_calibration(calibration)
         ranges, nexts, runs = _predictions(sc, cal, _configurations(configurations,
                                                                      "--configurations"),
@@ -431,6 +440,7 @@ def headroom(
         fail(f"--format must be table or json, got {fmt!r}")
     try:
         sc = load_scenario(scenario, set_)
+        _calibration_warning(sc)
         h = weigh(sc)
     except ValueError as exc:
         fail(exc)
@@ -515,16 +525,24 @@ def _print_fit(result) -> None:
 def catalogue() -> None:
     """List the known hardware, models, shipped scenarios, calibrations and routers."""
     from orthrus_sim import data_dir
-    from orthrus_sim.costmodel import HARDWARE, MODEL_CONFIGS, get_model
+    from orthrus_sim.costmodel import HARDWARE, MODEL_CONFIGS, get_model, load_calibration
     from orthrus_sim.experiment.scenario import shipped_calibrations
     from orthrus_sim.routing.rules import ROUTERS
 
-    hw = Table(title="hardware")
-    for col in ("name", "bf16 TFLOP/s", "mem GB/s", "memory GB", "link GB/s"):
+    hw = Table(title="hardware (a scenario uses its hardware's calibration unless it names another)")
+    for col in ("name", "bf16 TFLOP/s", "mem GB/s", "memory GB", "link GB/s", "L2 MB", "calibration"):
         hw.add_column(col)
+    shipped = shipped_calibrations()
     for h in HARDWARE.values():
+        if h.name not in shipped:
+            cal = "none: roofline, assumed efficiencies"
+        else:
+            source = load_calibration(shipped[h.name]).source
+            cal = f"derived, not fitted (from {source.derived_from})" if source.derived_from \
+                else "fitted"
         hw.add_row(h.name, f"{h.peak_flops / 1e12:.1f}", f"{h.mem_bw / 1e9:.0f}",
-                   f"{h.mem_capacity / 1e9:.0f}", f"{h.interconnect_bw / 1e9:.0f}")
+                   f"{h.mem_capacity / 1e9:.0f}", f"{h.interconnect_bw / 1e9:.0f}",
+                   f"{h.cache_bytes / 2**20:.0f}" if h.cache_bytes else "", cal)
     console.print(hw)
     models = Table(title="models")
     for col in ("name", "params (B)", "layers", "hidden", "heads/kv", "KV KiB/token"):

@@ -181,7 +181,9 @@ def _serving(model_dir) -> list[int]:
     return pids
 
 
-@pytest.mark.slow  # a calibration beside a serving neighbour (half a minute); its arguments are checked in the fast stage
+# slow stage: a calibration beside a serving neighbour (half a minute); its arguments are checked in
+# the fast stage
+@pytest.mark.slow
 def test_calibrate_colocated_profiles_beside_a_serving_neighbour(tiny_models, tmp_path):
     """``--colocated 2``: a second engine of the same arrangement serves a mixed load through
     the whole grid (it ran iterations meanwhile), then the serving load runs on a cluster of

@@ -196,3 +196,27 @@ def test_results_table_with_slos_fits_80_columns():
     text = console.export_text()
     assert "goodput" in text and "SLO emb" not in text and "130.00" in text
     assert "123.45" in text and "0.0234" in text  # no figure wrapped across lines
+
+
+def test_a_scenario_uses_its_hardwares_calibration_and_says_what_its_figures_stand_on():
+    """Issue 61: no calibration named -> the one shipped for the hardware; a derived one and a
+    GPU with none each print one line (on stderr: stdout may be JSON); ``roofline`` opts out."""
+    from orthrus_sim.experiment.scenario import hardware_calibration, parse_scenario
+
+    raw = {k: v for k, v in small().items() if k != "calibration"}
+    for hardware in ("h100-sxm", "a40", "a100-80gb", "h200", "a100-40gb"):
+        sc = parse_scenario({**raw, "hardware": hardware})
+        assert sc.calibration_file == hardware_calibration(hardware)
+        assert Path(sc.calibration_file).name == f"{hardware}.json"
+    assert parse_scenario({**raw, "hardware": "l40s"}).calibration_file is None
+    assert parse_scenario({**raw, "hardware": "h100-sxm", "calibration": "roofline"}).calibration_file is None
+    expected = {"h100-sxm": None, "h200": "derived, not fitted",
+                "l40s": "a roofline with assumed efficiencies"}
+    for hardware, words in expected.items():
+        res = runner.invoke(sim_app, ["validate", "quickstart", "--set", f"hardware={hardware}",
+                                      "--set", "calibration=null"])
+        assert res.exit_code == 0, res.output
+        if words is None:
+            assert "note:" not in res.stderr and "warning" not in res.stderr
+        else:
+            assert words in res.stderr and words not in res.stdout

@@ -169,12 +169,59 @@ def test_malformed_calibration_names_the_field(tmp_path):
         load_calibration(bad)
 
 
-def test_shipped_a100_calibration_meets_its_error_target():
-    cal = load_calibration(ROOT / "calibration" / "a100-40gb.json")
-    for op in ("qkv", "o_proj", "gate_up", "down"):
-        assert cal.fit_error.operator_mape[op] < 0.10
-    assert cal.fit_error.detail["whole_layer_mape"] < 0.10
+@pytest.mark.parametrize("gpu", ["a100-80gb", "h100-sxm", "a40"])
+def test_shipped_gpu_calibrations_meet_their_error_target(gpu):
+    """Issue 61: each fitted GPU within 10 % per operator (TP 1, 1-4,096 tokens) on its
+    Llama-2-7B file, the only file it is fitted on; the whole layer well within it."""
+    cal = load_calibration(ROOT / "calibration" / f"{gpu}.json")
+    assert cal.hardware == gpu and cal.source.derived_from is None
+    assert len(cal.fit_error.operator_mape) == 10
+    assert max(cal.fit_error.operator_mape.values()) <= 0.10
+    assert cal.fit_error.detail["whole_layer_mape"] < 0.05
+    assert [Path(f).name.split("_")[0] for f in cal.source.files] == ["llama-2-7b"]
+    assert all((ROOT / f).is_file() for f in cal.source.files)
     assert "attn_prefill" in cal.source.assumed
+    # the fitted matmuls stream their weights below the spec sheet's bandwidth
+    for op in ("qkv", "o_proj", "gate_up", "down"):
+        c = cal.coefficients.ops[op]
+        assert 0.5 < c.memory_eff <= 1.0 and c.compute_eff <= 1.0 and c.overhead_s <= 5e-6
+
+
+def test_the_a100s_held_out_model_stays_near_the_fit():
+    """The A100's Llama-3-8B file (GQA, another FFN) is never fitted on: its whole layer is
+    predicted within 5 %."""
+    detail = load_calibration(ROOT / "calibration" / "a100-80gb.json").fit_error.detail
+    assert detail["held_out.llama-3-8b.whole_layer_mape"] < 0.05
+
+
+@pytest.mark.parametrize("card, fitted", [("a100-40gb", "a100-80gb"), ("h200", "h100-sxm")])
+def test_derived_calibrations_are_the_fit_with_the_cards_own_specs(card, fitted):
+    derived = load_calibration(ROOT / "calibration" / f"{card}.json")
+    base = load_calibration(ROOT / "calibration" / f"{fitted}.json")
+    assert derived.hardware == card and derived.source.derived_from == fitted
+    assert "derived, not fitted" in derived.source.description.lower()
+    assert derived.coefficients == base.coefficients
+    # the same weights streamed over the card's own bandwidth: a decode is memory-bound
+    decode = BatchShape.from_items([(ItemKind.DECODE, 1, 300)])
+    t = {c.hardware: CostModel(get_hardware(c.hardware), MISTRAL, c.to_coefficients()).shape_time(decode)
+         for c in (derived, base)}
+    assert (t[card] > t[fitted]) == (get_hardware(card).mem_bw < get_hardware(fitted).mem_bw)
+
+
+def test_floor_and_cache_terms_are_neutral_by_default_and_shape_small_kernels():
+    plain = OpCoeffs(compute_eff=0.7, memory_eff=0.8, sharpness=3.0, overhead_s=1e-6)
+    # neutral: the floats of the four-parameter roofline, with or without a cache size
+    for f, b in ((1e6, 1e5), (1e12, 1e8), (0.0, 1e6)):
+        assert plain.time(f, b, 1e14, 1e12, 4e7) == plain.time(f, b, 1e14, 1e12)
+    assert plain.times([(1e6, 1e5), (1e12, 1e8)], 1e14, 1e12, 4e7) == [
+        plain.time(1e6, 1e5, 1e14, 1e12), plain.time(1e12, 1e8, 1e14, 1e12)]
+    floored = OpCoeffs(compute_eff=0.7, memory_eff=0.8, sharpness=50.0, floor_s=4e-6)
+    small, large = floored.time(0.0, 1e3, 1e14, 1e12), floored.time(0.0, 1e8, 1e14, 1e12)
+    assert small == pytest.approx(4e-6, rel=0.05) and large == pytest.approx(1.25e-4, rel=0.05)
+    cached = OpCoeffs(compute_eff=0.7, memory_eff=0.8, sharpness=50.0, cache_gain=3.0)
+    inside, outside = (cached.time(0.0, b, 1e14, 1e12, 4e7) / (b / 0.8e12) for b in (4e5, 4e9))
+    assert inside == pytest.approx(1 / 3, rel=0.01) and outside == pytest.approx(1.0, rel=0.01)
+    assert cached.times([(0.0, 4e5)], 1e14, 1e12, 4e7) == [cached.time(0.0, 4e5, 1e14, 1e12, 4e7)]
 
 
 def test_fit_operator_recovers_known_coefficients():
@@ -187,6 +234,24 @@ def test_fit_operator_recovers_known_coefficients():
     fitted, err = fit_operator(samples, A100)
     assert err < 0.01
     assert fitted.compute_eff == pytest.approx(0.6, rel=0.05)
+
+
+def test_fit_operator_recovers_an_element_wise_kernels_floor_and_cache():
+    """A norm-like kernel: flat at its floor for small token counts, fast while its bytes fit
+    the L2, streaming beyond: fitted as element-wise, the floor and the gain come back."""
+    truth = OpCoeffs(compute_eff=0.7, memory_eff=0.6, sharpness=8.0, overhead_s=1e-6,
+                     floor_s=4e-6, cache_gain=2.0)
+    samples = []
+    for t in (1, 4, 16, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096):
+        flops, bytes_ = 4.0 * t * 4096, 4.0 * t * 4096
+        samples.append(OperatorSample("input_norm", flops, bytes_, truth.time(
+            flops, bytes_, A100.peak_flops, A100.mem_bw, A100.cache_bytes)))
+    fitted, err = fit_operator(samples, A100, elementwise=True)
+    assert err < 0.02
+    assert fitted.floor_s == pytest.approx(4e-6, rel=0.15)
+    assert fitted.cache_gain == pytest.approx(2.0, rel=0.15)
+    linear, _ = fit_operator(samples, A100)  # a matmul's four parameters only
+    assert linear.floor_s == 0.0 and linear.cache_gain == 1.0
 
 
 def test_fit_iterations_recovers_overheads():

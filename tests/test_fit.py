@@ -75,7 +75,9 @@ def test_overheads_occupy_the_server_not_the_device(tmp_path):
                                                               rel=0.05)
 
 
-@pytest.mark.slow  # a five-parameter fit at length; the fast stage recovers smaller fits (decode cost, a minimal file)
+# slow stage: a five-parameter fit at length; the fast stage recovers smaller fits (decode cost, a
+# minimal file)
+@pytest.mark.slow
 def test_fit_recovers_a_simulated_ground_truth(tmp_path):
     truth = {"embedding_scale": 1.6, "prefill_scale": 0.8, "decode_scale": 1.3}
     raw = scenario_raw(with_factors(tmp_path, **truth))

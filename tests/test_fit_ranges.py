@@ -34,7 +34,9 @@ def measured_file(path: Path, raw: dict, overrides: list[str] | None = None) -> 
     return path
 
 
-@pytest.mark.slow  # a full joint fit with ranges and predict (about a minute); the fast stage fits and predicts smaller cases
+# slow stage: a full joint fit with ranges and predict (about a minute); the fast stage fits and
+# predicts smaller cases
+@pytest.mark.slow
 def test_joint_fit_across_loads_recovers_truth_and_gives_ranges_that_hold_it(tmp_path):
     truth = {"embedding_scale": 1.4, "decode_scale": 1.25}
     raw_truth = scenario_raw(with_factors(tmp_path, **truth))

@@ -29,7 +29,9 @@ def fuzzed(operation) -> bool:
     return operation.method.upper() == "GET" or not operation.path.startswith("/admin/")
 
 
-@pytest.mark.slow  # hundreds of generated requests through a cluster; the server's own fuzz runs in the fast stage
+# slow stage: hundreds of generated requests through a cluster; the server's own fuzz runs in the fast
+# stage
+@pytest.mark.slow
 def test_fuzzing_the_gateways_openapi_document_finds_no_server_error(tiny_models):
     cluster = Cluster(tiny_models["llama"], "--configuration", "orthrus", "--max-model-len", "64",
                       "--token-budget", "256", "--chunk-size", "64", "--max-queued", "64",

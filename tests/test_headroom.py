@@ -104,7 +104,7 @@ def test_the_bound_is_the_best_of_every_placement_on_a_small_cluster():
         assert sum(n or 0 for n, _ in b.placement) == gens
 
 
-MIX_SWEEP_STEP_MS = {0.1: 13.10, 0.5: 20.22, 0.9: 28.82}  # Dedicated-1:3's TPOT p50, simulated
+MIX_SWEEP_STEP_MS = {0.1: 16.02, 0.5: 22.64, 0.9: 30.77}  # Dedicated-1:3's TPOT p50, simulated
 
 
 def test_no_placement_serves_the_mix_sweep_5_percent_more_than_the_best_split():
@@ -164,7 +164,8 @@ def test_headroom_command_prints_json_and_names_what_it_cannot_weigh():
                                   "workload.generation_share=0.5", "--set",
                                   "scheduler.tpot_target_s=0.0253", "--format", "json"])
     assert res.exit_code == 0, res.output
-    doc = json.loads(res.output)
+    assert "derived, not fitted" in res.stderr  # the A100-40GB's calibration, said on stderr
+    doc = json.loads(res.stdout)
     assert {"demand", "assignments", "plan", "bound"} <= set(doc)
     assert {"objective", "best_split", "headroom", "placement"} <= set(doc["bound"])
     assert doc["bound"]["headroom"] >= 1.0 and len(doc["assignments"]) == 9

@@ -44,17 +44,17 @@ CASES: dict[str, tuple[str, list[str], str]] = {
 }
 
 PINNED = {
-    "iter_retgen/orthrus": "e76b66126825ed7d35c9",
-    "kv_pressure/orthrus": "49c2f583421d37b25b31",
-    "mix_sweep/adaptive-target": "def0f66635c7eaae0601",
-    "mix_sweep/adaptive-target-strict": "4d27b9c4ae5edd66b1de",
-    "mix_sweep/dedicated-1:3": "aea340ea9266dd97399e",
-    "mix_sweep/disagg-pd-2:2": "d0b10f530d88aea76a26",
-    "mix_sweep/mixed-pool-reserve": "2ac1e1654899592b0418",
-    "mix_sweep/orthrus": "5a73143d2b64f1cca11a",
-    "mix_sweep/unified-hetero": "57cbfe00ae33e3e30936",
-    "mix_sweep/unified-homo": "9d1d2f1bc0ea05c020a6",
-    "phased/orthrus": "4aeb050b7f1ba840b303",
+    "iter_retgen/orthrus": "0a1a651628b7fd6af259",
+    "kv_pressure/orthrus": "e3ab43ba456cd6f03743",
+    "mix_sweep/adaptive-target": "e0f9873532f9356c7dad",
+    "mix_sweep/adaptive-target-strict": "5181aea1e85653c8dcc8",
+    "mix_sweep/dedicated-1:3": "f24b818227f590ae9977",
+    "mix_sweep/disagg-pd-2:2": "f329f308b383cbd78a24",
+    "mix_sweep/mixed-pool-reserve": "e8c37c7d5c5da20495fe",
+    "mix_sweep/orthrus": "5dc656705559a62c922c",
+    "mix_sweep/unified-hetero": "14778a0751443d372a03",
+    "mix_sweep/unified-homo": "3e5ae927c416376fbe84",
+    "phased/orthrus": "9a6faa6c0d6f17d9d046",
 }
 
 

@@ -9,13 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orthrus_sim.costmodel import CostModel, LoRASpec, get_hardware, get_model
+from orthrus_sim.costmodel import CostModel, LoRASpec, get_hardware, get_model, load_calibration
 from orthrus_sim.engine import SchedulerConfig
-from orthrus_sim.experiment.scenario import load_scenario
+from orthrus_sim.experiment.scenario import hardware_calibration, load_scenario
 from orthrus_sim.routing.placement import Assignment, Demand, PlacementPlanner
 from orthrus_sim.sim.run import simulate
 
-COST = CostModel(get_hardware("a100-40gb"), get_model("mistral-7b-v0.1"), lora=LoRASpec(16))
+# the mix sweep's replicas: its hardware with its calibration
+COST = CostModel(get_hardware("a100-40gb"), get_model("mistral-7b-v0.1"),
+                 load_calibration(hardware_calibration("a100-40gb")).to_coefficients(),
+                 lora=LoRASpec(16))
 
 
 def replica(target: float) -> SimpleNamespace:
@@ -79,7 +82,7 @@ def test_predicted_split_matches_the_simulated_split():
                                                         prompt_len=128, output_len=512))
     assert pred.tpot_s == pytest.approx(sim["latency_s"]["tpot"]["p50"], rel=0.1)
     assert pred.generation_rps == pytest.approx(sim["throughput_rps"]["generation"], rel=0.1)
-    merged = CostModel(get_hardware("a100-40gb"), get_model("mistral-7b-v0.1"))
+    merged = CostModel(get_hardware("a100-40gb"), get_model("mistral-7b-v0.1"), COST.coefficients)
     rate = PlacementPlanner(SimpleNamespace(cost=merged, policy=replica(target).policy), 4,
                             target)._full_rate(128) / 128
     assert rate == pytest.approx(sim["throughput_rps"]["embedding"], rel=0.1)

@@ -286,7 +286,7 @@ def test_a_copied_split_at_its_capacity_edge_serves_what_the_split_serves():
     stray drained an embedding replica for 15 s and left 37 % of embeddings within 0.5 s.
     Seed 1, the scenario's: at this edge some other seeds' first plans still fail
     (docs/capacity.md), so another seed tests the start-up, not these rules."""
-    over = ["seed=1", "workload.generation_share=0.1", "workload.arrival.rate=238.11",
+    over = ["seed=1", "workload.generation_share=0.1", "workload.arrival.rate=227.36",
             "scheduler.tpot_target_s=0.045", "cluster.router=adaptive"]
     m = simulate(load_scenario("scenarios/capacity_mix.yaml", over), "orthrus",
                  keep_rows=False).metrics

@@ -61,7 +61,8 @@ def test_the_corpus_is_bad_input_only_and_the_load_is_repeatable():
     assert {kind for kind, _, _ in draws(0)} == set(soak.MIX)
 
 
-@pytest.mark.slow  # two minutes of faults; the fast stage kills a replica once (tests/test_cluster.py)
+# slow stage: two minutes of faults; the fast stage kills a replica once (tests/test_cluster.py)
+@pytest.mark.slow
 # ----- the soak -------------------------------------------------------------------------------
 def test_a_two_minute_soak_with_faults_loses_nothing(tiny_models, tmp_path):
     pytest.importorskip("torch")

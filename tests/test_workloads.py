@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orthrus_sim.experiment.scenario import load_scenario, parse_scenario
+from orthrus_sim.experiment.scenario import hardware_calibration, load_scenario, parse_scenario
 from orthrus_sim.sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,9 +31,10 @@ def test_trace_replay_issues_exactly_the_trace(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps(r) for r in rows))
     result = simulate(parse_scenario(base(kind="trace", trace=str(trace))), "orthrus")
-    assert [r["arrival_s"] for r in result.requests] == pytest.approx([r["arrival_time"] for r in rows])
-    assert [r["input_tokens"] for r in result.requests] == [r["input_tokens"] for r in rows]
-    gens = [r for r in result.requests if r["kind"] == "generation"]
+    issued = sorted(result.requests, key=lambda r: r["arrival_s"])  # rows come as they finish
+    assert [r["arrival_s"] for r in issued] == pytest.approx([r["arrival_time"] for r in rows])
+    assert [r["input_tokens"] for r in issued] == [r["input_tokens"] for r in rows]
+    gens = [r for r in issued if r["kind"] == "generation"]
     assert [g["output_tokens"] for g in gens] == [r["output_tokens"] for r in rows
                                                    if r["kind"] == "generation"]
     csv_trace = tmp_path / "t.csv"
@@ -205,7 +206,8 @@ def test_paths_resolve_from_the_scenario_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     sc = load_scenario(folder / "s.yaml")
     assert Path(sc.workload.trace) == folder / "t.jsonl"
-    assert sc.calibration is None
+    # no calibration named: the one shipped for its hardware, not a file beside the scenario
+    assert sc.calibration == hardware_calibration(sc.hardware) is not None
 
 
 def test_tokens_are_values():

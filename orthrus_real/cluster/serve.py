@@ -45,7 +45,7 @@ def cluster_from_cli(o: dict, chunk: int | str | None):
              if v is not None]
     scenario, configuration = cluster_scenario(o["scenario"], o["set_"], knobs, o["policy"], args,
                                                opts)
-    opts.calibration = opts.calibration or scenario.calibration
+    opts.calibration = opts.calibration or scenario.calibration_file
     if o["ray"]:
         from orthrus_real.cluster.ray_app import prepare_ray
 

@@ -53,7 +53,7 @@ def run_in_process(sc: Scenario, configuration: str, model_dir: str, adapter_dir
 
     policy, sched = engine_plan(sc, configuration)
     app, runner = build(model_dir, adapter_dir, policy, sched, kv_cache_tokens, max_queued=10**6,
-                        threads=threads, backend=backend, calibration=sc.calibration)
+                        threads=threads, backend=backend, calibration=sc.calibration_file)
     try:
         doc, _ = asyncio.run(bench_in_process(runner, app.state.metrics, sc, label=configuration))
     finally:

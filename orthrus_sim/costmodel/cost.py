@@ -54,8 +54,9 @@ class CostModel:
     def _op_time(self, name: str, flops: float, bytes_: float) -> float:
         if flops == 0.0 and bytes_ == 0.0:
             return 0.0
-        return self.coefficients.ops[name].time(flops, bytes_, self.hardware.peak_flops,
-                                                self.hardware.mem_bw)
+        hw = self.hardware
+        return self.coefficients.ops[name].time(flops, bytes_, hw.peak_flops, hw.mem_bw,
+                                                hw.cache_bytes)
 
     def _whole_model(self, work: dict[str, tuple[float, float]]) -> dict[str, float]:
         layers = self.model.num_layers
@@ -151,7 +152,7 @@ class CostModel:
         hw = self.hardware
         times = self.coefficients.ops["attn_decode"].times(
             decode_attention_work_steps(self._attention_rates, kv, n, steps),
-            hw.peak_flops, hw.mem_bw)
+            hw.peak_flops, hw.mem_bw, hw.cache_bytes)
         reps, layers = PER_LAYER["attn_decode"], self.model.num_layers
         return [base + t * reps * layers for t in times]
 

@@ -105,10 +105,26 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def scenario_warning(scenario) -> str | None:
     """``hardware_warning`` for a scenario's calibration (None without one)."""
-    if not scenario.calibration:
+    if not scenario.calibration_file:
         return None
     from orthrus_sim.costmodel import get_model, load_calibration
 
-    cal = load_calibration(scenario.calibration)
+    cal = load_calibration(scenario.calibration_file)
     return hardware_warning(cal, scenario.hardware, get_model(scenario.model).dtype_bytes,
-                            Path(scenario.calibration).name)
+                            Path(scenario.calibration_file).name)
+
+
+def calibration_note(scenario) -> str | None:
+    """One line where a scenario's figures do not stand on a calibration fitted for its
+    hardware: one derived from another card's fit, or the roofline with assumed efficiencies."""
+    path = scenario.calibration_file
+    if not path:
+        return (f"{scenario.hardware}: no calibration, its numbers are a roofline with assumed "
+                "efficiencies (orthrus_sim/costmodel/coefficients.py)")
+    from orthrus_sim.costmodel import load_calibration
+
+    cal = load_calibration(path)
+    if cal.source.derived_from:
+        return (f"calibration {Path(path).stem}: derived, not fitted (the "
+                f"{cal.source.derived_from} fit's efficiencies with {cal.hardware}'s own specs)")
+    return None

@@ -57,14 +57,15 @@ def unified_policy(configuration: str, user_policy: str | None = None) -> str:
 
 
 def coefficients(scenario: Scenario) -> Coefficients:
-    if scenario.calibration:
-        return load_calibration(scenario.calibration).to_coefficients()
+    if scenario.calibration_file:
+        return load_calibration(scenario.calibration_file).to_coefficients()
     return Coefficients()
 
 
 def cost_factors(scenario: Scenario):
     """The calibration's fitted ``CostFactors`` (None: none, the cost model as calibrated)."""
-    return load_calibration(scenario.calibration).cost_factors() if scenario.calibration else None
+    path = scenario.calibration_file
+    return load_calibration(path).cost_factors() if path else None
 
 
 def replica_cost(scenario: Scenario) -> Callable[[ReplicaPlan], CostModel]:

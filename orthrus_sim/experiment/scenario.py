@@ -42,6 +42,15 @@ def shipped_calibrations() -> dict[str, Path]:
     return {p.stem: p for p in sorted(data_dir("calibration").glob("*.json"))}
 
 
+ROOFLINE = "roofline"  # ``calibration: roofline``: no calibration file, the assumed efficiencies
+
+
+def hardware_calibration(hardware: str) -> str | None:
+    """The shipped calibration made for ``hardware`` (named after it), or None."""
+    path = shipped_calibrations().get(hardware)
+    return str(path) if path else None
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -395,7 +404,10 @@ class Scenario(Strict):
     hardware: str = "a100-40gb"
     model: str = "mistral-7b-v0.1"
     embedding: EmbeddingSection = Field(default_factory=EmbeddingSection)
-    calibration: str | None = None
+    calibration: str | None = Field(default=None, description=(
+        "a calibration file or the name of a shipped one; by default the shipped calibration "
+        "of the scenario's hardware where there is one; 'roofline': the roofline with assumed "
+        "efficiencies"))
     cluster: ClusterSection = Field(default_factory=ClusterSection)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)  # type: ignore[valid-type]
     workload: Workload = Field(default_factory=Workload)
@@ -403,6 +415,11 @@ class Scenario(Strict):
     slo: SloSection | None = Field(default=None, description="SLOs for attainment and goodput")
     max_sim_time_s: float = Field(default=36_000.0, gt=0)
     timeline_interval_s: float = Field(default=1.0, gt=0)
+
+    @property
+    def calibration_file(self) -> str | None:
+        """The calibration file the cost model reads (None: the roofline's assumed efficiencies)."""
+        return None if self.calibration in (None, ROOFLINE) else self.calibration
 
     @field_validator("configurations")
     @classmethod
@@ -426,7 +443,7 @@ class Scenario(Strict):
     @field_validator("calibration")
     @classmethod
     def _calibration(cls, v, info: ValidationInfo):
-        if v is None:
+        if v is None or v == ROOFLINE:
             return v
         path = resolve_path(v, info, must_exist=False)
         if path.exists():
@@ -442,6 +459,8 @@ class Scenario(Strict):
         from orthrus_sim.costmodel import get_hardware, get_model
 
         get_hardware(self.hardware)
+        if self.calibration is None:  # the hardware's own calibration, where one ships
+            self.calibration = hardware_calibration(self.hardware)
         limit = get_model(self.model).max_position_embeddings
         if self.scheduler.max_model_len is not None and self.scheduler.max_model_len > limit:
             raise ValueError(f"scheduler.max_model_len ({self.scheduler.max_model_len}) exceeds "

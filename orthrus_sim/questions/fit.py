@@ -128,7 +128,7 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
         p = BY_NAME[name]
         if not p.low <= fixed[name] <= p.high:
             raise ValueError(f"--fix {name}={fixed[name]}: outside its bounds [{p.low}, {p.high}]")
-    prior_cal = load_calibration(scenario.calibration) if scenario.calibration else None
+    prior_cal = load_calibration(scenario.calibration_file) if scenario.calibration_file else None
     prior = (prior_cal.cost_factors() if prior_cal else None) or CostFactors()
     prior = replace(prior, **fixed)
     for p in PARAMETERS:  # a prior outside the bounds (a hand-edited file) starts at the bound
@@ -406,7 +406,7 @@ def _output(ev: Evaluator, factors: CostFactors, runs: list[MeasuredRun], params
     base = ev.calibration(factors)
     fit_doc = FactorFitModel(
         scenario=scenario.name, measured=list(dict.fromkeys(r.source for r in runs)),
-        prior=_shown(scenario.calibration),
+        prior=_shown(scenario.calibration_file),
         parameters={k: FactorParameterModel(
             **{**v, "sensitivity": v["sensitivity"] if math.isfinite(v["sensitivity"]) else 1e9})
             for k, v in params.items()},
