@@ -85,7 +85,9 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def rr_cluster(tiny_models):
-    c = Cluster(tiny_models["llama"], "--configuration", "orthrus")
+    # OpenAI's largest embeddings batch (2,048 inputs) is allowed, and fits the queue
+    c = Cluster(tiny_models["llama"], "--configuration", "orthrus", "--max-inputs-per-request",
+                "2048", "--max-queued", "4096")
     yield c
     c.close()
 
@@ -213,6 +215,40 @@ def test_bodies_the_gateway_cannot_read_reach_the_replica_and_get_its_4xx(rr_clu
                                      ("GET", "/v1/embeddings", 405)):
             r = c.request(method, path)
             assert r.status_code == status and "message" in r.json()["error"], (path, r.text)
+
+
+def test_openai_client_embeds_token_id_lists_and_a_2048_batch_through_the_gateway(rr_cluster):
+    """What LangChain's OpenAI embeddings send by default (token-id lists, through the ``openai``
+    client) reaches a replica intact: the same vectors as the text they tokenise to; and a batch
+    of OpenAI's largest size (2,048 inputs) is answered in order."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=rr_cluster.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    texts = ["a first text", "and a second one"]
+    ids = [httpx.post(rr_cluster.url + "/tokenize", json={"prompt": t}, timeout=10).json()["tokens"]
+           for t in texts]
+    by_ids = client.embeddings.create(model=model, input=ids)
+    by_text = client.embeddings.create(model=model, input=texts)
+    assert [d.index for d in by_ids.data] == [0, 1]
+    assert by_ids.usage.prompt_tokens == sum(len(x) for x in ids) == by_text.usage.prompt_tokens
+    for a, b in zip(by_ids.data, by_text.data, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.embedding, b.embedding, strict=True)) < 1e-4
+    batch = client.embeddings.create(model=model, input=[[5 + i % 40, 6, 7] for i in range(2048)])
+    assert [d.index for d in batch.data] == list(range(2048))
+    assert batch.data[0].embedding == batch.data[40].embedding != batch.data[1].embedding
+
+
+def test_continuous_usage_stats_through_the_gateway(rr_cluster):
+    """guidellm's streamed requests (``stream_options.continuous_usage_stats``) through the
+    gateway: usage in every chunk, and the closing usage chunk once."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", rr_cluster.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [e["usage"]["completion_tokens"] for e in events] == [0, 1, 2, 3, 4, 5, 5]
+    assert [e["choices"] for e in events].count([]) == 1 and events[-1]["choices"] == []
 
 
 def test_bench_measures_the_cluster_per_replica(rr_cluster):

@@ -334,6 +334,118 @@ def test_list_of_prompts_and_usage_in_the_stream(server):
     assert usage == r["usage"]
 
 
+def sse_events(url: str, path: str, body: dict) -> list[dict]:
+    """The JSON events of a streamed answer, in order (``[DONE]`` checked, then left out)."""
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_continuous_usage_stats_put_the_usage_in_every_chunk(server):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it with every streamed
+    request): each chunk carries the usage so far, as vLLM's server writes it (its prompt's
+    tokens, its choice's completion tokens; a chat's role chunk 0), and the closing usage chunk
+    still comes; without ``include_usage`` it adds nothing, as in vLLM."""
+    url, _ = server
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = [[5, 6, 7], [8, 9]]
+    events = sse_events(url, "/v1/completions", {
+        "prompt": prompts, "max_tokens": 3, "ignore_eos": True, "stream": True,
+        "stream_options": options})
+    *chunks, closing = events
+    seen = {0: 0, 1: 0}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        i = choice["index"]
+        seen[i] += 1
+        assert chunk["usage"] == {"prompt_tokens": len(prompts[i]), "completion_tokens": seen[i],
+                                  "total_tokens": len(prompts[i]) + seen[i]}
+    assert seen == {0: 3, 1: 3}
+    assert closing["choices"] == [] and closing["usage"] == {
+        "prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4,
+            "ignore_eos": True, "stream": True, "stream_options": options}
+    *chunks, closing = sse_events(url, "/v1/chat/completions", chat)
+    prompt = closing["usage"]["prompt_tokens"]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 4]
+    assert all(c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] == prompt
+               + c["usage"]["completion_tokens"] for c in chunks)
+    assert closing["choices"] == [] and closing["usage"]["completion_tokens"] == 4
+    quiet = sse_events(url, "/v1/chat/completions", {
+        **chat, "stream_options": {"continuous_usage_stats": True}})
+    assert not any("usage" in e for e in quiet)
+
+
+def test_vllms_honoured_extras(server):
+    """What vLLM's clients may send beside OpenAI's parameters and this server does as vLLM
+    does: stop_token_ids, truncation_side, request_id, top_k -1, nulls for defaults,
+    use_activation, the byte order of base64 embeddings."""
+    url, _ = server
+    greedy = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+              "return_token_ids": True}
+    ids = httpx.post(url + "/v1/completions", json=greedy, timeout=30).json()["choices"][0]["token_ids"]
+    stopped = httpx.post(url + "/v1/completions", timeout=30, json={
+        **greedy, "ignore_eos": False, "stop_token_ids": [ids[2]]}).json()
+    assert stopped["choices"][0]["token_ids"] == ids[:ids.index(ids[2]) + 1]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    r = httpx.post(url + "/v1/completions", timeout=30, json={
+        **greedy, "request_id": "mine-1", "top_k": -1, "top_p": None, "temperature": None,
+        "seed": 3, "stream": None}).json()
+    assert r["id"] == "cmpl-mine-1" and r["usage"]["completion_tokens"] == 6
+    left = httpx.post(url + "/v1/completions", timeout=30, json={
+        **greedy, "prompt": [5, 6, 7, 8, 9], "truncate_prompt_tokens": 2, "max_tokens": 1}).json()
+    right = httpx.post(url + "/v1/completions", timeout=30, json={
+        **greedy, "prompt": [5, 6, 7, 8, 9], "truncate_prompt_tokens": 2, "max_tokens": 1,
+        "truncation_side": "right"}).json()
+    assert left["choices"][0]["prompt_token_ids"] == [8, 9]
+    assert right["choices"][0]["prompt_token_ids"] == [5, 6]
+
+    def embed(**extra) -> np.ndarray:
+        r = httpx.post(url + "/v1/embeddings", json={"input": "a b c", **extra}, timeout=30)
+        assert r.status_code == 200, r.text
+        vec = r.json()["data"][0]["embedding"]
+        if isinstance(vec, str):
+            order = {"big": ">", "little": "<"}.get(extra.get("endianness"), "=")
+            return np.frombuffer(base64.b64decode(vec), dtype=f"{order}f4")
+        return np.array(vec)
+
+    plain = embed()
+    for order in ("native", "little", "big"):
+        np.testing.assert_allclose(embed(encoding_format="base64", endianness=order), plain,
+                                   rtol=1e-5, atol=1e-6)
+    raw = embed(use_activation=False)
+    np.testing.assert_allclose(raw, embed(normalize=False), rtol=1e-5, atol=1e-6)
+    assert abs(np.linalg.norm(plain) - 1) < 1e-4 and abs(np.linalg.norm(raw) - 1) > 1e-3
+    r = httpx.post(url + "/v1/embeddings", json={"input": "x", "use_activation": False,
+                                                 "normalize": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_activation"
+
+
+def test_a_batch_of_2048_inputs_is_refused_naming_the_limit(server):
+    """OpenAI's largest embeddings batch (2,048 inputs) against the default limit: a 400 that
+    names the limit and the option that raises it (the gateway's test sends one it answers);
+    a limit over --max-queued is the queue's, named as such (such a batch could never be
+    queued: 429, retried, forever)."""
+    url, _ = server
+    r = httpx.post(url + "/v1/embeddings", json={"input": ["a"] * 2048}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "input" and err["code"] == "too_many_inputs"
+    assert "2048" in err["message"] and "256" in err["message"]
+    assert "--max-inputs-per-request" in err["message"]
+    from types import SimpleNamespace
+
+    from orthrus_real.server.api import ApiError, ServerContext
+
+    queue_bound = SimpleNamespace(max_inputs=2048, runner=SimpleNamespace(max_queued=1024))
+    ServerContext.check_count(queue_bound, 1024, "input")
+    with pytest.raises(ApiError, match="limit of 1024 per request \\(--max-queued"):
+        ServerContext.check_count(queue_bound, 2048, "input")
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),

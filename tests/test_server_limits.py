@@ -160,6 +160,46 @@ def test_max_inputs_per_request(served):
     assert httpx.post(url + "/v1/embeddings", json={"input": ["a"] * 8}, timeout=30).status_code == 200
 
 
+BASES = {"/v1/completions": {"prompt": [5, 6], "max_tokens": 1},
+         "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+         "/v1/embeddings": {"input": "x"}}
+
+
+@pytest.mark.parametrize("path", list(BASES))
+def test_every_parameter_of_the_surface_gets_its_verdict(served, path):
+    """The request surface (surface.py, the table of docs/vllm_compat.md) is what the server
+    does: every refused parameter at a value that matters is a 400 naming it with the reason,
+    every ignored one of the wrong type a 400 naming it, and a body holding all of them at their
+    neutral values (None for the ignored: what vLLM's clients send) is served."""
+    from orthrus_real.server.api.surface import IGNORED, REFUSED, SURFACE
+
+    url, _ = served
+    base = BASES[path]
+    neutral = dict(base)
+    for name, verdict in SURFACE[path].items():
+        if verdict.kind == REFUSED:
+            err = openai_error(httpx.post(url + path, json={**base, name: "not neutral"}), 400, name)
+            assert err["code"] == "unsupported_parameter" and verdict.why in err["message"], err
+            neutral[name] = verdict.neutral[0] if verdict.neutral else None
+        elif verdict.kind == IGNORED:
+            err = openai_error(httpx.post(url + path, json={**base, name: [[]]}), 400, name)
+            assert err["code"] == "invalid_parameter"
+            neutral[name] = None
+    r = httpx.post(url + path, json=neutral, timeout=30)
+    assert r.status_code == 200, r.text
+    openai_error(httpx.post(url + path, json={**base, "no_such_parameter": 1}), 400,
+                 "no_such_parameter")
+    # the OpenAPI document lists every parameter, the dropped and refused ones with the reason
+    doc = httpx.get(url + "/openapi.json").json()
+    body = {"/v1/completions": "CompletionBody", "/v1/chat/completions": "ChatBody",
+            "/v1/embeddings": "EmbeddingBody"}[path]
+    schema = doc["components"]["schemas"][body]
+    assert set(schema["properties"]) == set(SURFACE[path])
+    for name, verdict in SURFACE[path].items():
+        if verdict.kind != "honoured":
+            assert schema["properties"][name]["description"] == f"{verdict.kind}: {verdict.why}"
+
+
 def test_vllm_clients_neutral_parameters_and_truncation(served):
     url, _ = served
     ok = {"repetition_penalty": 1.0, "min_p": 0, "truncate_prompt_tokens": -1}

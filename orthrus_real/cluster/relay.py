@@ -426,8 +426,9 @@ class Relay:
         elif doc.get("id") != self.first_id:  # a continuation keeps the client's stream's id
             doc["id"], doc["created"] = self.first_id, self.created
             changed = True
-        if doc.get("usage") is not None:
-            self.usage_seen = True
+        if doc.get("usage") is not None and not doc.get("choices"):
+            self.usage_seen = True  # the closing usage chunk (with continuous_usage_stats every
+            # chunk has a usage, and the closing one is still owed)
         for c in doc.get("choices") or ():
             if not isinstance(c, dict):
                 continue
@@ -477,7 +478,7 @@ def _chunk_object(path: str) -> str:
 
 def _one_choice(doc: dict) -> bool:
     """The request makes one generation (one prompt, ``n`` 1): its stream can be continued."""
-    if doc.get("n", 1) != 1:
+    if doc.get("n") not in (None, 1) or doc.get("n") is True:
         return False
     prompt = doc.get("prompt")
     if prompt is None:

@@ -1,14 +1,11 @@
 """OpenAI-compatible request bodies (validated; a bad or unknown field is named in a 400 error).
 
-Every parameter of OpenAI's API is either supported or refused by name: an unknown field is an
-error (a typo must not be ignored), and a known one this server does not implement (``logprobs``,
-``dimensions``, penalties, tools, ...) is refused when it is given a value that would change the
-result. Fields that only label a request (``user``, ``metadata``, ``store``) are accepted.
-
-vLLM's own clients (``vllm bench serve``, its OpenAI extensions) always send some of vLLM's extra
-parameters: their neutral values are accepted (``repetition_penalty`` 1, ``min_p`` 0, other
-values refused as unsupported), and ``truncate_prompt_tokens`` (keep the last k tokens; -1: the
-model's maximum length) and ``add_special_tokens`` are implemented as vLLM defines them.
+What the server does with each parameter of vLLM's request models (and of OpenAI's that vLLM
+lacks) is one mapping, ``surface.py``: a body declares the parameters it honours (checked at
+import against that mapping), and before a body is validated the mapping drops what it ignores
+and refuses, by name and with the reason, a parameter this server does not implement given a
+value that would change the answer (its neutral values, which clients built for vLLM always
+send, are accepted). Any other field is an unknown parameter: a typo must not be ignored.
 """
 
 from __future__ import annotations
@@ -23,28 +20,16 @@ from pydantic import (
     StrictInt,
     StrictStr,
     field_validator,
+    model_validator,
 )
 
+from orthrus_real.server.api import surface
+from orthrus_real.server.api.surface import ParameterError, Unsupported
+
+__all__ = ["ChatBody", "ChatMessage", "CompletionBody", "EmbeddingBody", "ParameterError",
+           "StreamOptions", "Unsupported", "check_text"]
+
 TokenList = list[StrictInt]
-
-
-class ParameterError(ValueError):
-    """A request parameter that cannot be served as given; ``param`` names it."""
-
-    code = "invalid_parameter"
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class Unsupported(ParameterError):
-    """A known OpenAI parameter this server does not implement."""
-
-    code = "unsupported_parameter"
-
-    def __init__(self, param: str) -> None:
-        super().__init__(param, f"{param} is not supported by this server")
 
 
 def _undecodable(value, path: str) -> str | None:
@@ -79,28 +64,34 @@ def check_text(body: BaseModel) -> None:
                                        "surrogate, such as \\udfff)")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: StrictStr | None = None
-    user: StrictStr | None = None
-    metadata: dict[str, Any] | None = None
-    store: StrictBool | None = None
+def _surface_schema(schema: dict, cls: type) -> None:
+    """The OpenAPI document lists the ignored and refused parameters too, with their reasons."""
+    if cls.ENDPOINT:
+        surface.schema_extra(cls.ENDPOINT)(schema)
 
-    # parameter -> value(s) that leave the result unchanged (anything else is refused)
-    NEUTRAL: ClassVar[dict[str, tuple]] = {}
+
+class _Body(BaseModel):
+    """A request body: its honoured parameters as fields; the rest of its endpoint's surface is
+    dropped or refused before validation (``surface.apply``)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_surface_schema)
+    ENDPOINT: ClassVar[str] = ""
+    model: StrictStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _surface(cls, data):
+        return surface.apply(cls.ENDPOINT, data) if isinstance(data, dict) else data
 
     def check_supported(self) -> None:
         check_text(self)
-        for name, neutral in self.NEUTRAL.items():
-            value = getattr(self, name)
-            if value is not None and value not in neutral:
-                raise Unsupported(name)
 
 
 class _Truncating(_Body):
-    """vLLM's ``truncate_prompt_tokens`` and ``add_special_tokens`` (its clients send them)."""
+    """vLLM's ``truncate_prompt_tokens``, ``truncation_side`` and ``add_special_tokens``."""
 
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     add_special_tokens: StrictBool | None = None
 
     def check_supported(self) -> None:
@@ -110,7 +101,8 @@ class _Truncating(_Body):
                                  "model's maximum length) or a number of tokens >= 1")
 
     def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The last ``truncate_prompt_tokens`` tokens of ``ids`` (vLLM's meaning)."""
+        """``truncate_prompt_tokens`` tokens of ``ids``: the last ones, or with
+        ``truncation_side: right`` the first (vLLM's meaning)."""
         k = self.truncate_prompt_tokens
         if k is None:
             return ids
@@ -119,17 +111,28 @@ class _Truncating(_Body):
         if k > max_model_len:
             raise ParameterError("truncate_prompt_tokens", f"truncate_prompt_tokens ({k}) is more "
                                  f"than the model's maximum length {max_model_len}")
-        return ids[-k:]
+        return ids[:k] if self.truncation_side == "right" else ids[-k:]
 
 
 class EmbeddingBody(_Truncating):
+    ENDPOINT: ClassVar[str] = "/v1/embeddings"
     input: StrictStr | list[StrictStr] | TokenList | list[TokenList]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
+    endianness: Literal["native", "little", "big"] = "native"
     pooling: Literal["mean", "weighted-mean", "cls", "last"] | None = None
     normalize: StrictBool | None = None
+    use_activation: StrictBool | None = None  # vLLM's name for normalize
 
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"dimensions": ()}
+    def check_supported(self) -> None:
+        super().check_supported()
+        if None not in (self.normalize, self.use_activation) and self.normalize != self.use_activation:
+            raise ParameterError("use_activation", "use_activation (vLLM's name for normalize) "
+                                 "and normalize disagree")
+
+    def normalized(self, default: bool) -> bool:
+        """Whether the pooled vector is normalised: ``normalize`` or ``use_activation``."""
+        given = self.normalize if self.normalize is not None else self.use_activation
+        return default if given is None else given
 
     @field_validator("input")
     @classmethod
@@ -153,35 +156,27 @@ class EmbeddingBody(_Truncating):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: StrictBool = False
+    ENDPOINT: ClassVar[str] = "stream_options"
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
 
 
 class _Sampling(_Truncating):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: StrictInt = Field(default=0, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
     seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)  # what torch takes
     stop: StrictStr | list[StrictStr] | None = None
-    stream: StrictBool = False
+    stop_token_ids: TokenList | None = None
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
     ignore_eos: StrictBool = False
-    logprobs: Any = None
-    logit_bias: dict[str, float] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's; its clients send 1.0
-    min_p: float | None = None  # vLLM's
+    request_id: StrictStr | None = None  # vLLM's: the answer's id
     return_token_ids: StrictBool | None = None  # vLLM's: each choice's token ids in its answer
     # the output tokens this generation already has (a gateway moving it off a replica that went
     # down): prefilled with the prompt, counted in max_tokens, and only what follows is answered
     resume_token_ids: TokenList | None = None
-
-    NEUTRAL: ClassVar[dict[str, tuple]] = {
-        "n": (1,), "logprobs": (False, None), "logit_bias": ({},),
-        "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-        "repetition_penalty": (1, 1.0), "min_p": (0, 0.0)}
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -195,23 +190,29 @@ class _Sampling(_Truncating):
 
     def sampling_kwargs(self) -> dict:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return dict(max_tokens=self.tokens_to_generate(), temperature=self.temperature,
-                    top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop,
-                    ignore_eos=self.ignore_eos)
+        return dict(max_tokens=self.tokens_to_generate(),
+                    temperature=1.0 if self.temperature is None else self.temperature,
+                    top_p=1.0 if self.top_p is None else self.top_p,
+                    top_k=max(self.top_k or 0, 0), seed=self.seed, stop=stop,
+                    stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: vLLM's ``continuous_usage_stats``, with ``include_usage``."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def answer_id(self, rid: str) -> str:
+        """The id the answer carries: ``cmpl-<request_id>`` if the client named it."""
+        return f"cmpl-{self.request_id}" if self.request_id is not None else rid
+
 
 class CompletionBody(_Sampling):
+    ENDPOINT: ClassVar[str] = "/v1/completions"
     prompt: StrictStr | list[StrictStr] | TokenList | list[TokenList]
-    echo: StrictBool | None = None
-    best_of: StrictInt | None = None
-    suffix: StrictStr | None = None
-
-    NEUTRAL: ClassVar[dict[str, tuple]] = {**_Sampling.NEUTRAL, "echo": (False,), "best_of": (1,),
-                                           "suffix": ("",)}
 
     @field_validator("prompt")
     @classmethod
@@ -250,20 +251,25 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(_Sampling):
+    ENDPOINT: ClassVar[str] = "/v1/chat/completions"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    top_logprobs: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_Sampling.NEUTRAL, "top_logprobs": (0,), "tools": ([],),
-        "response_format": ({"type": "text"},), "tool_choice": ("none",),
-        "parallel_tool_calls": (False, True)}
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template renders: the request's variables over its extra ones."""
+        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        return {**(self.chat_template_kwargs or {}), "messages": messages,
+                "add_generation_prompt": self.add_generation_prompt, "documents": self.documents,
+                "bos_token": "<s>", "eos_token": "</s>"}
 
     def tokens_to_generate(self, default: int = 16) -> int:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return super().tokens_to_generate(default)
+
+
+for _body in (CompletionBody, ChatBody, EmbeddingBody, StreamOptions):
+    surface.check_declared(_body.ENDPOINT, set(_body.model_fields))

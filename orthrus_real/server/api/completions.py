@@ -2,7 +2,9 @@
 
 A list of prompts gives one choice per prompt (``index`` in order); streamed, the choices'
 chunks interleave as tokens come. ``stream_options.include_usage`` adds a last chunk with the
-usage and no choices, as OpenAI's API does.
+usage and no choices, as OpenAI's API does; with vLLM's ``continuous_usage_stats`` too, every
+chunk carries the usage so far, in vLLM's shape (its prompt's tokens and its choice's completion
+tokens; a chat's role chunk 0), which load clients built for vLLM (guidellm) ask for.
 
 Two extensions: ``return_token_ids`` (vLLM's) adds each choice's ``token_ids`` (streamed: the
 chunk's new ones) and, once, its ``prompt_token_ids``; ``resume_token_ids`` continues a
@@ -19,6 +21,7 @@ import time
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
 
 from orthrus_real.engine.sampling import SamplingParams
 from orthrus_real.server.api.bodies import ChatBody, CompletionBody
@@ -60,7 +63,7 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
         for kw in kwargs:
             pending.append(ctx.submit(GENERATE, kw, streamed=body.stream))
         created = int(time.time())
-        rid = pending[0][0]
+        rid = body.answer_id(pending[0][0])
         obj = "chat.completion" if chat else "text_completion"
         prompt_tokens = sum(len(ids) for ids in prompts)
         if not body.stream:
@@ -104,13 +107,24 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
                       if not (isinstance(firsts[i], Exception) or firsts[i].finished)]
         done: set[int] = set()
         seen: set[int] = set()  # choices whose prompt_token_ids were sent
-        completion = resumed
+        counts = [resumed] * len(pending)  # each choice's completion tokens so far
+        continuous = body.continuous_usage
+
+        def usage(prompt: int, completion: int) -> dict:
+            return {"prompt_tokens": prompt, "completion_tokens": completion,
+                    "total_tokens": prompt + completion}
+
+        def chunk(choice: dict, i: int) -> str:
+            doc = {"id": rid, "object": chunk_obj, "created": created, "model": model,
+                   "choices": [choice]}
+            if continuous:
+                doc["usage"] = usage(len(prompts[i]), counts[i])
+            return _sse(doc)
+
         try:
             if chat and not resumed:
                 for i in range(len(pending)):
-                    yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": model,
-                                "choices": [{"index": i, "delta": {"role": "assistant"},
-                                             "finish_reason": None}]})
+                    yield chunk({"index": i, "delta": {"role": "assistant"}, "finish_reason": None}, i)
             while len(done) < len(pending):
                 i, item = await merged.get()
                 if isinstance(item, Exception):
@@ -118,7 +132,7 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
                                           "param": None, "code": "engine_error"}})
                     done.add(i)
                     continue
-                completion += len(item.new_token_ids)
+                counts[i] += len(item.new_token_ids)
                 if chat:
                     choice = {"index": i, "delta": {"content": item.new_text},
                               "finish_reason": item.finish_reason}
@@ -130,15 +144,12 @@ async def _generate(ctx: ServerContext, body, prompts: list[list[int]], request:
                     if i not in seen:
                         choice["prompt_token_ids"] = prompts[i]
                         seen.add(i)
-                yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": model,
-                            "choices": [choice]})
+                yield chunk(choice, i)
                 if item.finished:
                     done.add(i)
             if body.include_usage:
                 yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": model,
-                            "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                     "completion_tokens": completion,
-                                                     "total_tokens": prompt_tokens + completion}})
+                            "choices": [], "usage": usage(prompt_tokens, sum(counts))})
             yield "data: [DONE]\n\n"
         finally:
             for task in forwarders:
@@ -168,8 +179,10 @@ async def chat_completions(body: ChatBody, request: Request, ctx: ServerContext 
     if ctx.chat_template is None:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    text = ctx.chat_template.render(messages=messages, add_generation_prompt=True,
-                                    bos_token="<s>", eos_token="</s>")
+    try:
+        text = ctx.chat_template.render(body.template_variables())
+    except TemplateError as exc:  # e.g. the template's raise_exception on what it was given
+        raise ApiError(400, f"the chat template could not render this request: {exc}",
+                       "messages") from None
     return await _generate(ctx, body, [await ctx.tokens_of({"text": text}, "messages", body)], request,
                            chat=True)

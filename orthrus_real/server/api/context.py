@@ -80,10 +80,16 @@ class ServerContext:
                            code="wrong_replica_kind")
 
     def check_count(self, n: int, param: str) -> None:
-        if n > self.max_inputs:
+        """At most ``--max-inputs-per-request`` items, and no more than the engine thread holds
+        at once (``--max-queued``): a request over that could never be queued, and would be told
+        429, retry, forever."""
+        limit, option = self.max_inputs, "--max-inputs-per-request"
+        queued = getattr(self.runner, "max_queued", None)
+        if isinstance(queued, int) and queued < limit:
+            limit, option = queued, "--max-queued, the requests this server holds at once"
+        if n > limit:
             raise ApiError(400, f"{param} holds {n} items, more than this server's limit of "
-                                f"{self.max_inputs} per request (--max-inputs-per-request)", param,
-                           code="too_many_inputs")
+                                f"{limit} per request ({option})", param, code="too_many_inputs")
 
     async def encode(self, text: str, param: str, add_special_tokens: bool = True,
                      truncating: bool = False) -> list[int]:

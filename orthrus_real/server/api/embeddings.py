@@ -14,9 +14,12 @@ from orthrus_real.server.api.errors import ApiError
 router = APIRouter()
 
 
-def _encode(vec: list[float], fmt: str):
+BYTE_ORDER = {"native": "=", "little": "<", "big": ">"}  # vLLM's endianness, as struct spells it
+
+
+def _encode(vec: list[float], fmt: str, endianness: str = "native"):
     if fmt == "base64":
-        return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+        return base64.b64encode(struct.pack(f"{BYTE_ORDER[endianness]}{len(vec)}f", *vec)).decode()
     return vec
 
 
@@ -26,7 +29,7 @@ async def embeddings(body: EmbeddingBody, request: Request, ctx: ServerContext =
     ctx.check_kind(EMBED)
     ctx.check_model(body.model, "embeddings")
     pooling = body.pooling or ctx.default_pooling
-    normalize = ctx.default_normalize if body.normalize is None else body.normalize
+    normalize = body.normalized(ctx.default_normalize)
     items = body.items()
     ctx.check_count(len(items), "input")
     inputs = [await ctx.tokens_of(item, "input", body) for item in items]
@@ -46,6 +49,6 @@ async def embeddings(body: EmbeddingBody, request: Request, ctx: ServerContext =
     tokens = sum(len(x) for x in inputs)
     return {"object": "list", "model": body.model or ctx.served_name,
             "data": [{"object": "embedding", "index": i,
-                      "embedding": _encode(o.embedding, body.encoding_format)}
+                      "embedding": _encode(o.embedding, body.encoding_format, body.endianness)}
                      for i, o in enumerate(outs)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -57,6 +57,9 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
         err = exc.errors()[0]
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ParameterError):  # the request surface's verdict (surface.py)
+            return error_response(400, str(cause), cause.param, code=cause.code)
         loc = [str(p) for p in err.get("loc", []) if p != "body"]
         if err.get("type") == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {err.get('msg')}")
@@ -124,8 +127,8 @@ class BodyLimit:
             chunks.append(message)
             more = message.get("more_body", False)
         if too_big:
-            resp = error_response(413, f"request body is larger than {self.max_bytes} bytes",
-                                  code="body_too_large")
+            resp = error_response(413, f"request body is larger than {self.max_bytes} bytes "
+                                       "(--max-body-bytes)", code="body_too_large")
             return await resp(scope, receive, send)
         replay = iter(chunks)
 
