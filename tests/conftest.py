@@ -59,3 +59,15 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False
     return LoadFileScheduling(config, log)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Figures the tests measured (their ``user_properties`` named "figures": a real load
+    client's throughput and TTFT, say), shown after the run; pytest-xdist carries them back
+    from its workers, which print nothing themselves."""
+    lines = [value for reports in terminalreporter.stats.values() for report in reports
+             for name, value in getattr(report, "user_properties", ()) if name == "figures"]
+    if lines:
+        terminalreporter.section("figures")
+        for line in dict.fromkeys(lines):
+            terminalreporter.write_line(line)
