@@ -443,7 +443,9 @@ def watch_health(cluster: Cluster) -> tuple[list[dict], threading.Event]:
     return seen, stop
 
 
-@pytest.mark.slow  # a second kill and a restart; the fast stage kills one replica under load, a drain moves a stream
+# slow stage: a second kill and a restart; the fast stage kills one replica under load, a drain moves
+# a stream
+@pytest.mark.slow
 def test_a_killed_replica_s_stream_goes_on_elsewhere_and_it_comes_back(lw_cluster):
     """SIGKILL at the third token of a greedy stream: the stream continues on the other replica
     from the tokens it sent (no error, the exact text of an undisturbed run, every token once),
@@ -535,7 +537,8 @@ def test_a_replica_killed_under_load_loses_no_request(lw_cluster):
         time.sleep(0.1)
 
 
-@pytest.mark.slow  # a stall and its recovery; the fast stage kills one replica under load
+# slow stage: a stall and its recovery; the fast stage kills one replica under load
+@pytest.mark.slow
 def test_a_stalled_replica_s_work_moves_at_once_and_it_is_routed_again_after(lw_cluster):
     """SIGSTOP mid-stream: within a few seconds (a /health probe unanswered for 1.5 s) the
     stream continues on the other replica with its exact greedy text and an embedding there is
@@ -580,7 +583,8 @@ def test_a_stalled_replica_s_work_moves_at_once_and_it_is_routed_again_after(lw_
     assert 'orthrus_cluster_migrations_total{why="stalled"}' in text
 
 
-@pytest.mark.slow  # kills both replicas in turn; the fast stage kills one under load
+# slow stage: kills both replicas in turn; the fast stage kills one under load
+@pytest.mark.slow
 def test_a_request_that_kills_every_replica_it_reaches_is_quarantined(lw_cluster):
     """A non-streamed generation in flight on a replica that dies goes to the other; when that
     one dies with it too, it is failed (422 request_quarantined) instead of reaching a third,
@@ -632,7 +636,8 @@ def test_a_request_that_kills_every_replica_it_reaches_is_quarantined(lw_cluster
     assert "orthrus_cluster_quarantined_total 1.0" in text
 
 
-@pytest.mark.slow  # a third cluster; the split's placement and refusals are planned in the fast stage
+# slow stage: a third cluster; the split's placement and refusals are planned in the fast stage
+@pytest.mark.slow
 # ----- a dedicated split ----------------------------------------------------------------------
 def test_dedicated_split_routes_by_kind_and_each_side_refuses_the_other(tiny_models):
     c = Cluster(tiny_models["qwen2"], "--configuration", "dedicated-1:1")

@@ -317,7 +317,9 @@ def test_serve_refuses_bad_settings_before_loading(tiny_models, monkeypatch):
     assert code != 0 and f"cannot listen on 127.0.0.1:{port}" in text
 
 
-@pytest.mark.slow  # a long drain cut by a second signal; the fast stage drains on SIGTERM (tests/test_server.py)
+# slow stage: a long drain cut by a second signal; the fast stage drains on SIGTERM
+# (tests/test_server.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_second_signal_exits_at_once(tiny_models, sig):
     sock = socket.socket()
