@@ -473,13 +473,17 @@ def _print_headroom(h) -> None:
         return f"{x:.3f}" if math.isfinite(x) else "-"
 
     def where(r: tuple) -> str:
-        return "embeds" if r[0] is None else f"{r[0]} decodes + {r[1]} rider tokens"
+        return "a whole budget of chunks" if r[0] is None else \
+            f"{r[0]} decodes + {r[1]} chunk tokens (prompts, riders)"
 
-    console.print(f"best static split (embedding replicas merged): {num(b.best_split)}; any "
-                  f"placement: at most {num(b.objective)} (headroom {num(b.headroom)}x the split)",
-                  highlight=False)
+    split = b.best_split_label or "-"
+    if b.best_split_cap is not None:
+        split += f" at {b.best_split_cap} decodes per decoding replica"
+    console.print(f"best static split (emb:dec; as it is, capped, or with its prompts offloaded; "
+                  f"embedding replicas merged): {split}, {num(b.best_split)}; any placement: at "
+                  f"most {num(b.objective)} (headroom {num(b.headroom)}x the split)", highlight=False)
     if b.placement:
-        console.print("  reached by, per replica: " + "; ".join(where(r) for r in b.placement),
+        console.print("  the bound's placement, per replica: " + "; ".join(where(r) for r in b.placement),
                       highlight=False)
     if b.serves_demand is not None:
         verdict = ("some placement may serve it" if b.serves_demand

@@ -125,6 +125,26 @@ def test_max_num_embeds_caps_embeddings_holding_blocks():
     assert [it.request.request_id for it in policy.schedule(0.2).items] == ["r2"]
 
 
+@pytest.mark.parametrize("policy_name", ["ibs", "generation", "unified-hetero"])
+def test_a_running_cap_keeps_generations_waiting_until_it_rises(policy_name):
+    """A router's cap on a decoding replica (``cap_running``): no more than the cap run, the
+    rest wait in arrival order, a lifted cap admits them; embeddings are not counted."""
+    policy = make_policy(policy_name, SchedulerConfig(token_budget=512, chunk_size=64))
+    policy.cap_running(2)
+    for r in make_requests([("generation", 0, 16, 4)] * 4):
+        policy.add(r)
+    batch = policy.schedule(0.0)
+    assert [it.request.request_id for it in batch.items] == ["r0", "r1"]
+    assert policy.snapshot().generations_running == 2
+    policy.complete(batch, 0.1)
+    policy.cap_running(None)
+    batch = policy.schedule(0.1)
+    assert {"r2", "r3"} <= {it.request.request_id for it in batch.items}
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="running cap"):
+            policy.cap_running(bad)
+
+
 def test_decode_growth_preempts_newest_and_recomputes():
     # 6 blocks of 4 tokens: two 8-token prompts fill 4 blocks; decodes grow until one must go.
     policy = make_policy("generation", SchedulerConfig(token_budget=64, chunk_size=None,

@@ -32,6 +32,16 @@ class SchedulingSteps(KVAdmission):
         self._embed_cursor = 0
         # the simulator's fast path: running decodes kept as one cohort (``use_cohort``)
         self._cohort: DecodeCohort | None = None
+        # a router's cap on the generations running here (``cap_running``), below max_num_seqs
+        self.running_cap: int | None = None
+
+    def cap_running(self, cap: int | None) -> None:
+        """Admit no generation while ``cap`` of them run (None: ``max_num_seqs`` alone): the
+        cap a placement puts on a decoding replica so that its decodes hold an iteration-time
+        target, the generations past it waiting here in arrival order."""
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"a running cap must be a positive integer or None, got {cap!r}")
+        self.running_cap = cap
 
     def use_cohort(self) -> None:
         """Keep the running decodes as a decode cohort (``engine/cohort.py``): the simulator's
@@ -295,7 +305,9 @@ class SchedulingSteps(KVAdmission):
                 return 0
         if request.state is WAITING:
             cfg = self.config
-            if len(self._running) >= cfg.max_num_seqs:
+            running = len(self._running)
+            if running >= cfg.max_num_seqs or (self.running_cap is not None
+                                               and running >= self.running_cap):
                 return 0
             seq_len = request.input_len + request.num_generated
             if not self._kv_allows(self.blocks.extra_blocks(rid, seq_len), rid):

@@ -1,7 +1,7 @@
 """What co-serving can gain on a scenario's steady demand, predicted in a second without
 simulating: every assignment the placement planner weighs (``k`` replicas decoding, the rest
 embedding, with or without riders), the plan it takes, the best static split and the bound on
-*any* placement of the replicas (``PlacementPlanner.bound``). ``orthrus-sim headroom`` prints
+*any* placement of the replicas (``routing.bound``). ``orthrus-sim headroom`` prints
 it. It answers "should I co-serve here, and what could I gain at most?" under the planner's
 steady-state prediction; simulate the plan (``cluster.router: adaptive``) to measure it.
 
@@ -20,7 +20,8 @@ from types import SimpleNamespace
 
 from orthrus_sim.experiment.plan import plan_configuration, replica_cost
 from orthrus_sim.experiment.scenario import Arrival, Scenario
-from orthrus_sim.routing.placement import Bound, Demand, PlacementPlanner, Prediction
+from orthrus_sim.routing.bound import Bound, bound
+from orthrus_sim.routing.placement import Demand, PlacementPlanner, Prediction
 from orthrus_sim.routing.rules import RouterRule, closed_loop
 
 DEMAND_ROUNDS = 100  # a closed loop with think time or one mixed pool: in flight <-> latencies
@@ -54,7 +55,9 @@ def scenario_planner(sc: Scenario) -> PlacementPlanner:
     rule = RouterRule.of(sc, sc.scheduler.tpot_target_s)
     plan = plan_configuration(sc, "orthrus")[0]
     replica = SimpleNamespace(cost=replica_cost(sc)(plan), policy=SimpleNamespace(config=plan.config))
-    return PlacementPlanner(replica, sc.cluster.gpus, rule.pack * rule.target_s, rule.slo)
+    # the simulator's replicas take a cap on their running generations: capped plans too
+    return PlacementPlanner(replica, sc.cluster.gpus, rule.pack * rule.target_s, rule.slo,
+                            can_cap=True)
 
 
 def _steady_arrival(sc: Scenario) -> Arrival:
@@ -134,4 +137,4 @@ def headroom(sc: Scenario) -> Headroom:
     d = scenario_demand(sc, planner)
     return Headroom(sc.name, planner.replicas, planner.target_s, d,
                     [planner.predict(a, d) for a in planner.candidates()], planner.plan(d),
-                    planner.bound(d))
+                    bound(planner, d))

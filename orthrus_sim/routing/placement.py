@@ -54,7 +54,6 @@ from orthrus_sim.engine.batch import ItemKind
 # its decode slots unconverged: 63 generations/s predicted where 58.5 are held); a state that
 # alternates between two (whole decodes priced, ~0.1 % apart) runs to the cap, deterministically
 FIXED_POINT_ROUNDS = 50
-BOUND_WEIGHTS = 10  # the bound's weights on capped kinds: 0, 1/10, ..., 1 (``PlacementPlanner.bound``)
 
 
 @dataclass(frozen=True)
@@ -83,14 +82,21 @@ class Demand:
 @dataclass(frozen=True)
 class Assignment:
     """``decoding`` replicas take generations; the others embed with their whole budget.
-    ``riders``: embeddings also ride beside the decodes, within the TPOT target."""
+    ``riders``: embeddings also ride beside the decodes, within the TPOT target. ``capped``:
+    each decoding replica runs at most the decodes that hold the target (``decode_cap``); in a
+    closed loop the generations past them wait, their wait in the TTFT. ``offload``: the prompts
+    are prefilled on the other side, beside its embeddings, and their KV moves to the decoding
+    side (Disagg-PD's placement: its decoding replicas run decodes alone)."""
 
     decoding: int
-    riders: bool
+    riders: bool = False
+    capped: bool = False
+    offload: bool = False
 
     def label(self, replicas: int) -> str:
         split = f"{replicas - self.decoding}:{self.decoding}"
-        return f"{split} + riders" if self.riders else split
+        return " ".join([split] + [word for word, on in (
+            ("+ riders", self.riders), ("capped", self.capped), ("offload", self.offload)) if on])
 
 
 @dataclass(frozen=True)
@@ -123,51 +129,6 @@ class Prediction:
             out["latencies"] = {k: v if math.isfinite(v) else None
                                 for k, v in self.latencies.items()}
             out["meets"] = list(self.meets)
-        return out
-
-
-@dataclass(frozen=True)
-class Bound:
-    """The most normalised throughput any placement of the replicas is predicted to serve for
-    one demand within the target (``PlacementPlanner.bound``), beside the best static split's
-    under the same prediction: what co-serving could add to the split at most."""
-
-    # an upper bound over placements (nan: in a closed loop, no placement decodes every
-    # generation in flight within the target)
-    objective: float
-    # the best static split's (``k`` replicas decoding evenly, the rest embedding, ``k`` from 0
-    # to all), under the same prediction (nan: none decodes every generation in flight)
-    best_split: float
-    # a placement reaching the bound (empty where none does: a capped demand set the bound):
-    # per replica, decodes and rider (embedding) tokens per iteration; decodes None: embedding
-    # with its whole budget
-    placement: tuple[tuple[int | None, int], ...] = ()
-    asked: float = math.nan  # an open load's whole demand, normalised (nan: a closed loop)
-
-    @property
-    def serves_demand(self) -> bool | None:
-        """Whether some placement may serve an open load's whole demand (None: closed loop)."""
-        if not math.isfinite(self.asked):
-            return None
-        return math.isfinite(self.objective) and self.objective >= self.asked * (1 - 1e-6)
-
-    @property
-    def headroom(self) -> float:
-        """The bound over the best split: 1.0 means no placement serves more than the split
-        (nan where either is missing or the split serves nothing)."""
-        if not (math.isfinite(self.objective) and math.isfinite(self.best_split)) \
-                or self.best_split <= 0:
-            return math.nan
-        return self.objective / self.best_split
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        out["placement"] = [list(r) for r in self.placement]
-        out["serves_demand"] = self.serves_demand
-        for key in ("objective", "best_split", "asked"):  # JSON has no nan
-            if not math.isfinite(out[key]):
-                out[key] = None
-        out["headroom"] = self.headroom if math.isfinite(self.headroom) else None
         return out
 
 
@@ -237,11 +198,12 @@ class PlacementPlanner:
     HYSTERESIS = 0.03  # a new plan must predict this much more than the current one
 
     def __init__(self, replica: Any, replicas: int, target_s: float,
-                 slo: dict[str, dict[str, float]] | None = None) -> None:
+                 slo: dict[str, dict[str, float]] | None = None, can_cap: bool = False) -> None:
         self.replica = replica
         self.replicas = replicas
         self.target_s = target_s
         self.slo = slo  # bounds per kind (``slo_bounds``): the goodput objective; None: throughput
+        self.can_cap = can_cap  # the router can cap a decoding replica's running generations
         # goodput objective: the last demand's raw predictions and the kinds some feasible one
         # meets (``plan`` asks for every assignment under one demand: each predicted once)
         self._demand_for: tuple[Demand, dict[Assignment, tuple[Prediction, dict]], set[str]] | None \
@@ -250,15 +212,26 @@ class PlacementPlanner:
         self.max_seqs = cfg.max_num_seqs
         self.min_chunk = cfg.min_chunk_tokens
         self.budget = cfg.token_budget
-        self._piece: int | None = None  # the embedding length of the demand being predicted
+        self.piece: int | None = None  # the embedding length of the demand being predicted
         self.kv_tokens = cfg.kv_tokens
         self._full: dict[int, float] = {}  # embedding length -> tokens/s with the whole budget
         self._times: dict[tuple, float] = {}
         self._riders: dict[tuple[int, int, int | None], float] = {}
 
     def candidates(self) -> list[Assignment]:
-        return [Assignment(k, riders) for k in range(self.replicas + 1)
-                for riders in (False, True) if not (riders and k == 0)]
+        """What the adaptive router can run: ``k`` decoding, with or without riders, capped
+        where it can cap a replica's running generations (the prompts stay where they decode:
+        unified replicas move no KV between them)."""
+        return [Assignment(k, riders, capped) for k in range(self.replicas + 1)
+                for capped in ((False, True) if self.can_cap else (False,))
+                for riders in (False, True) if not ((riders or capped) and k == 0)]
+
+    def splits(self) -> list[Assignment]:
+        """The static splits co-serving is weighed against: ``k`` replicas decoding and the
+        rest embedding, each as it is, capped, with the prompts offloaded (Disagg-PD), or both."""
+        return [Assignment(k, False, capped, offload) for k in range(self.replicas + 1)
+                for capped in (False, True) for offload in (False, True)
+                if (k or not capped) and (not offload or 0 < k < self.replicas)]
 
     # ----- one assignment -------------------------------------------------------------------
     def predict(self, a: Assignment, d: Demand) -> Prediction:
@@ -271,12 +244,16 @@ class PlacementPlanner:
         counted = set(p.meets) | (set(self.slo) - meetable)
         return replace(p, objective=sum(normalised[kind] for kind in counted))
 
+    def set_piece(self, d: Demand) -> None:
+        """Price rider and embedding chunks at ``d``'s embedding length from here on."""
+        self.piece = max(1, round(d.embedding_len))
+
     def _predict(self, a: Assignment, d: Demand) -> tuple[Prediction, dict[str, float]]:
         """The prediction with normalised throughput as its objective (and, with SLOs, its
         latencies and the kinds meeting them), and each kind's normalised throughput."""
-        self._piece = max(1, round(d.embedding_len))
+        self.set_piece(d)
         emb, gen, tpot, holds, alone, peak = self._throughputs(a, d)
-        gen_ref, emb_ref = self._references(d)
+        gen_ref, emb_ref = self.references(d)
         normalised = {"embedding": emb / emb_ref, "generation": gen / gen_ref if gen_ref > 0 else 0.0}
         throughput = normalised["embedding"] + normalised["generation"]
         if self.slo is None:
@@ -303,7 +280,7 @@ class PlacementPlanner:
         and ``gen`` generations/s at iteration time ``tpot`` (the module docstring says how;
         ``inf`` where the demand exceeds what it serves)."""
         inf = math.inf
-        full, emb_demand = self._embedding_demand(d)
+        full, emb_demand = self.embedding_demand(d)
         if emb_demand <= 0:
             latency = 0.0
         elif emb <= 0 or emb < emb_demand * (1 - 1e-6) and not d.closed_loop:
@@ -321,7 +298,16 @@ class PlacementPlanner:
             return out | dict.fromkeys(("ttft_s", "tpot_s", "e2e_s"), inf)
         cfg = self.replica.policy.config
         chunk = cfg.chunk_size or cfg.token_budget
-        ttft = tpot * (1 + math.ceil(max(d.prompt_len, 1.0) / chunk))
+        chunks = 1 + math.ceil(max(d.prompt_len, 1.0) / chunk)
+        if a.offload:  # prefilled in the other side's full iterations, then its KV moves
+            cost = self.replica.cost
+            ttft = chunks * self.budget / full + (
+                d.prompt_len * cost.model.kv_bytes_per_token / cost.hardware.interconnect_bw)
+        else:
+            ttft = tpot * chunks
+        if a.capped and d.closed_loop:  # the generations past the caps wait for a slot
+            waiting = d.generations - a.decoding * self.decode_cap(d, a.offload)
+            ttft += max(0.0, waiting) / gen
         return out | {"ttft_s": ttft, "tpot_s": tpot,
                       "e2e_s": ttft + max(d.output_len - 1, 0.0) * tpot}
 
@@ -333,7 +319,7 @@ class PlacementPlanner:
         k = a.decoding
         wants_gen = d.asks_generation
         emb_len = max(d.embedding_len, 1.0)
-        full, emb_demand = self._embedding_demand(d)
+        full, emb_demand = self.embedding_demand(d)
         side = (self.replicas - k) * full / emb_len
         if k == 0 or not wants_gen:
             if a.riders:  # riders with no decodes: the decoding side embeds too
@@ -341,10 +327,14 @@ class PlacementPlanner:
             return (min(emb_demand, side), 0.0, 0.0, not wants_gen, 0.0,
                     _use(emb_demand, side))
         out = max(d.output_len, 1.0)
-        mid = self._mid(d)
+        mid = self.mid(d)
         limit = self.target_s
-        t, gen, riding, holds, alone = self._time(1, mid, 0), 0.0, 0.0, True, 0.0
-        slots = self._slots(d)
+        t, gen, riding, holds, alone = self.iteration_s(1, mid, 0), 0.0, 0.0, True, 0.0
+        slots = self.slots(d)
+        if a.capped:
+            slots = min(slots, self.decode_cap(d, a.offload))
+        # offloaded prompts: the other side's budget prefills them, at most all of it
+        prefill = (self.replicas - k) * full if a.offload else math.inf
         uncapped, cap = t, 0.0
         last = None
         for _ in range(FIXED_POINT_ROUNDS):
@@ -353,14 +343,15 @@ class PlacementPlanner:
             last = (t, gen)
             want = d.generations / k if d.closed_loop else d.generation_rps / k * out * t
             running = min(want, slots)
-            gen = k * running / (out * t)
+            gen = min(k * running / (out * t), prefill / max(d.prompt_len, 1.0))
             if not d.closed_loop:
                 gen = min(d.generation_rps, gen)
             prompt_rate = gen / k * d.prompt_len  # prompt tokens/s per decoding replica
             decodes = max(1, round(running))  # in the iteration priced
             kv = decodes * mid
             # the mean iteration: the decodes and the prompt tokens arriving per iteration
-            t = uncapped = self._time(decodes, kv, int(prompt_rate * t))
+            # (offloaded: the decodes alone)
+            t = uncapped = self.iteration_s(decodes, kv, 0 if a.offload else int(prompt_rate * t))
             alone = min(t, limit)
             riding, cap = 0.0, 0.0
             if not a.riders:  # as a split's generation servers: the mean iteration within it
@@ -370,7 +361,7 @@ class PlacementPlanner:
             # with riders the target applies: it cuts chunks to fit, which holds while the
             # decodes alone fit and the prompts' rate fits the room beside them
             room = self._room(decodes, kv)
-            holds = self._time(decodes, kv, 0) <= limit and room >= prompt_rate
+            holds = self.iteration_s(decodes, kv, 0) <= limit and room >= prompt_rate
             t = min(t, limit)
             if t < limit:
                 cap = k * max(0.0, room - prompt_rate) / emb_len
@@ -379,10 +370,37 @@ class PlacementPlanner:
                     share = min(1.0, over / cap)
                     riding = share * cap
                     t += share * (limit - t)
-        # generations beyond the side's decode slots or KV cache would queue: it does not hold
-        peak = max(want / slots, uncapped / limit, _use(emb_demand, side + cap))
-        return (min(emb_demand, side + riding), gen, t, holds and want <= slots * (1 + 1e-6),
-                alone, peak)
+        if a.offload:  # the other side's budget less the prompts it prefills
+            side = max(0.0, prefill - gen * d.prompt_len) / emb_len
+        # generations beyond the side's decode slots or KV cache would queue: it does not hold,
+        # but in a capped closed loop they wait by design (their clients wait for a slot)
+        queued = a.capped and d.closed_loop
+        peak = max(0.0 if queued else want / slots, uncapped / limit, _use(emb_demand, side + cap))
+        return (min(emb_demand, side + riding), gen, t,
+                holds and (queued or want <= slots * (1 + 1e-6)), alone, peak)
+
+    def decode_cap(self, d: Demand, offload: bool = False) -> int:
+        """The most decodes one replica runs within the target less the planner's
+        ``HYSTERESIS`` (a capped plan's iteration sits at its cap: with no margin a demand at
+        that edge would move it): with the prompts that arrive beside them in steady state (one
+        per ``output_len`` decodes' steps, ``prompt_len`` tokens each), or alone where the
+        prompts are offloaded; at least 1, at most its slots."""
+        out = max(d.output_len, 1.0)
+        mid = self.mid(d)
+        within = self.target_s * (1 - self.HYSTERESIS)
+
+        def fits(n: int) -> bool:
+            prompt = 0 if offload else int(n * d.prompt_len / out)
+            return self.iteration_s(n, n * mid, prompt) <= within
+
+        lo, hi = 1, self.slots(d)
+        while lo < hi:
+            m = (lo + hi + 1) // 2
+            if fits(m):
+                lo = m
+            else:
+                hi = m - 1
+        return lo
 
     def _generation_reference(self, d: Demand) -> float:
         """Generations/s per replica of the split giving generations all replicas but one."""
@@ -392,13 +410,13 @@ class PlacementPlanner:
         gen = self._throughputs(Assignment(k, False), d)[1]
         return gen / k
 
-    def _embedding_demand(self, d: Demand) -> tuple[float, float]:
+    def embedding_demand(self, d: Demand) -> tuple[float, float]:
         """(embedding tokens/s of a replica with its whole budget, embeddings/s asked: the
         arrival rate, or what the embeddings in flight fill in one full iteration)."""
-        full = self._full_rate(max(d.embedding_len, 1.0))
+        full = self.full_rate(max(d.embedding_len, 1.0))
         return full, max(d.embedding_rps, d.embeddings * full / self.budget)
 
-    def _full_rate(self, embedding_len: float) -> float:
+    def full_rate(self, embedding_len: float) -> float:
         """Embedding tokens/s of a replica embedding with its whole budget."""
         piece = max(1, round(embedding_len))
         rate = self._full.get(piece)
@@ -406,173 +424,48 @@ class PlacementPlanner:
             rate = self._full[piece] = chunk_rate(self.replica, 0, 0, None, piece)
         return rate
 
-    def _time(self, decodes: int, decode_kv: int, prompt_tokens: int, riders: int = 0) -> float:
+    def iteration_s(self, decodes: int, decode_kv: int, prompt_tokens: int, riders: int = 0) -> float:
         """Seconds of an iteration of decodes, prompt chunks and rider (embedding) chunks of
         the demand's embedding length."""
-        key = (decodes, decode_kv >> 8, prompt_tokens, riders, riders and self._piece)
+        key = (decodes, decode_kv >> 8, prompt_tokens, riders, riders and self.piece)
         t = self._times.get(key)
         if t is None:
             shape = chunk_shape(self.replica, decodes, decode_kv, prompt_tokens,
                                 ItemKind.PREFILL_CHUNK)
             if riders:
-                shape = chunk_shape(self.replica, 0, 0, riders, piece=self._piece, shape=shape)
+                shape = chunk_shape(self.replica, 0, 0, riders, piece=self.piece, shape=shape)
             t = self._times[key] = self.replica.cost.shape_time(shape)
         return t
 
     def _room(self, decodes: int, decode_kv: int) -> float:
         """Chunk tokens/s that fit beside ``decodes`` decodes within the target."""
-        key = (decodes, decode_kv >> 8, self._piece)
+        key = (decodes, decode_kv >> 8, self.piece)
         r = self._riders.get(key)
         if r is None:
             r = self._riders[key] = chunk_rate(self.replica, decodes, decode_kv, self.target_s,
-                                               self._piece)
+                                               self.piece)
         return r
 
-    # ----- what any placement could serve ----------------------------------------------------
-    def bound(self, d: Demand, merged: bool = True) -> Bound:
-        """An upper bound on the normalised throughput of *any* placement for ``d`` under this
-        planner's steady-state prediction, not only its ``2N + 1`` assignments, beside the best
-        static split's under the same prediction. Each replica may hold any number of decodes
-        (at most its slots) and any rider tokens beside them (multiples of
-        ``min_chunk_tokens``) within the target, or embed with its whole budget. In a closed
-        loop every generation in flight decodes (a placement may not starve a client to serve
-        others more; a fractional count is rounded up), shared out by dynamic programming over
-        the replicas, exactly; each decode ends after ``output_len`` iterations and is replaced
-        by a prompt of ``prompt_len`` tokens in its replica's iteration. Kinds whose demand is
-        capped (the embeddings asked for, an open load's generation rate) are bounded through
-        weights: for every weight ``w`` on a capped kind, ``min(x, cap) <= w x + (1 - w) cap``,
-        so the least over ``BOUND_WEIGHTS + 1`` weights of the best placement's weighted sum is
-        still an upper bound (max-min <= min-max), looser where a cap binds. A replica
-        embedding with its whole budget is priced with its adapter merged (``merged``, as the
-        simulator's embedding side runs; the real gateway's engines keep it unmerged: pass
-        False), in the bound and the split alike."""
-        self._piece = max(1, round(d.embedding_len))
-        gen_ref, emb_ref = self._references(d)
-        emb_len = max(d.embedding_len, 1.0)
-        emb_cap = self._embedding_demand(d)[1]
-        options = self._replica_options(d)  # decodes -> [(generations/s, embeddings/s, riders)]
-        whole = (chunk_rate(self.replica, 0, 0, None, self._piece, adapter=False) if merged
-                 else self._full_rate(emb_len)) / emb_len
-        options[None] = [(0.0, whole, 0)]  # embedding with the whole budget
-        gen_cap = math.inf if d.closed_loop else d.generation_rps
-
-        def normalised(gen: float, emb: float) -> float:
-            counted = min(gen, gen_cap) / gen_ref if gen_ref > 0 else 0.0
-            return counted + min(emb, emb_cap) / emb_ref
-
-        weights = [i / BOUND_WEIGHTS for i in range(BOUND_WEIGHTS + 1)]
-        best, at = math.inf, ()
-        for w_emb in weights if emb_cap < math.inf else [1.0]:
-            for w_gen in weights if gen_cap < math.inf else [1.0]:
-                per_gen = w_gen / gen_ref if gen_ref > 0 else 0.0
-                total, placement = self._best_placement(options, per_gen, w_emb / emb_ref, d)
-                total += (1 - w_emb) * emb_cap / emb_ref
-                if gen_cap < math.inf and gen_ref > 0:
-                    total += (1 - w_gen) * gen_cap / gen_ref
-                if total < best or best == math.inf:
-                    best, at = total, placement
-        if at:  # reported only where it serves what the bound says (no cap set it lower)
-            sums = [sum(x) for x in zip(*(next(o[:2] for o in options[n] if o[2] == riders)
-                                          for n, riders in at))]
-            if normalised(*sums) < best * (1 - 1e-9):
-                at = ()
-        splits = [normalised(*self._split(k, options, d)) for k in range(self.replicas + 1)]
-        splits = [v for v in splits if math.isfinite(v)]
-        asked = math.nan if d.closed_loop else normalised(d.generation_rps, d.embedding_rps)
-        return Bound(best if math.isfinite(best) else math.nan,
-                     max(splits) if splits else math.nan, at, asked)
-
-    def _split(self, k: int, options: dict, d: Demand) -> tuple[float, float]:
-        """(generations/s, embeddings/s) of the static split with ``k`` replicas decoding
-        (the generations spread evenly, no riders) and the rest embedding with their whole
-        budget, from the bound's options; a closed loop's split whose replicas cannot decode
-        every generation in flight within the target has generations/s -inf (as the planner
-        does not hold it); an open load's serves what its replicas hold."""
-        emb = (self.replicas - k) * options[None][0][1]
-        alone = {n: fits[0][0] for n, fits in options.items() if n is not None}
-        if not d.asks_generation:
-            return 0.0, emb
-        if k == 0:
-            return -math.inf if d.closed_loop else 0.0, emb
-        if d.closed_loop:
-            q, extra = divmod(self._in_flight(d), k)
-            if q + (extra > 0) > max(alone, default=0):
-                return -math.inf, emb
-            return extra * alone.get(q + 1, 0.0) + (k - extra) * alone.get(q, 0.0), emb
-        # open load: each replica serves its share of the rate, or the most one holds
-        share = d.generation_rps / k
-        most = max(alone.values(), default=0.0)
-        return k * min(share, most), emb
-
-    def _replica_options(self, d: Demand) -> dict[int | None, list[tuple[float, float, int]]]:
-        """Every way one replica may hold ``n`` decodes within the target: (generations/s,
-        embeddings/s, rider tokens per iteration) for each rider count that fits."""
-        out_len = max(d.output_len, 1.0)
-        mid = self._mid(d)
-        emb_len = max(d.embedding_len, 1.0)
-        slots = self._slots(d)
-        most = min(slots, self._in_flight(d)) if d.closed_loop else slots
-        options: dict[int | None, list[tuple[float, float, int]]] = {}
-        for n in range(1, most + 1 if d.asks_generation else 1):
-            prompt = int(n * d.prompt_len / out_len)
-            fits = []
-            for riders in range(0, self.budget - n - prompt + 1, self.min_chunk):
-                t = self._time(n, n * mid, prompt, riders)
-                if t > self.target_s:
-                    break
-                fits.append((n / (out_len * t), riders / (emb_len * t), riders))
-            if not fits:  # more decodes fit no better
-                break
-            options[n] = fits
-        return options
-
-    def _best_placement(self, options: dict, per_gen: float, per_emb: float, d: Demand
-                        ) -> tuple[float, tuple[tuple[int | None, int], ...]]:
-        """The highest sum over the replicas of ``per_gen`` x generations/s + ``per_emb`` x
-        embeddings/s, each replica taking one option (a closed loop's decodes adding up to its
-        generations in flight, up to the slots of all replicas), and the placement (-inf and
-        none where no placement decodes them all within the target)."""
-        best = {n: max(((per_gen * g + per_emb * e, riders) for g, e, riders in fits),
-                       key=lambda x: x[0])
-                for n, fits in options.items()}
-        if not d.closed_loop:  # no coupling: every replica takes the best option
-            n = max(best, key=lambda k: best[k][0])
-            return best[n][0] * self.replicas, ((n, best[n][1]),) * self.replicas
-        need = min(self._in_flight(d), self.replicas * self._slots(d))
-        states: dict[int, tuple[float, tuple]] = {0: (0.0, ())}  # decodes placed -> best so far
-        for _ in range(self.replicas):
-            nxt: dict[int, tuple[float, tuple]] = {}
-            for used, (v, placement) in states.items():
-                for n, (gain, riders) in best.items():
-                    total = used + (n or 0)
-                    if total <= need and (total not in nxt or nxt[total][0] < v + gain):
-                        nxt[total] = (v + gain, placement + ((n, riders),))
-            states = nxt
-        if need not in states:
-            return -math.inf, ()
-        v, placement = states[need]
-        return v, tuple(sorted(placement, key=lambda r: -1 if r[0] is None else r[0]))
-
-    def _references(self, d: Demand) -> tuple[float, float]:
+    def references(self, d: Demand) -> tuple[float, float]:
         """What one replica dedicated to each kind serves (generations/s, embeddings/s): the
         units of normalised throughput."""
         emb_len = max(d.embedding_len, 1.0)
-        return self._generation_reference(d), self._full_rate(emb_len) / emb_len
+        return self._generation_reference(d), self.full_rate(emb_len) / emb_len
 
     @staticmethod
-    def _mid(d: Demand) -> int:
+    def mid(d: Demand) -> int:
         """A decode's context at mid-output: what the decodes hold on average."""
         return int(d.prompt_len + max(d.output_len, 1.0) / 2)
 
     @staticmethod
-    def _in_flight(d: Demand) -> int:
+    def in_flight(d: Demand) -> int:
         """A closed loop's generations in flight, whole (a fractional count rounded up)."""
         return math.ceil(d.generations - 1e-9)
 
-    def _slots(self, d: Demand) -> int:
+    def slots(self, d: Demand) -> int:
         """Decodes one replica holds: ``max_num_seqs``, or its KV cache with every decode at
         mid-output."""
-        return min(self.max_seqs, max(1, self.kv_tokens // self._mid(d)))
+        return min(self.max_seqs, max(1, self.kv_tokens // self.mid(d)))
 
     # ----- the choice -----------------------------------------------------------------------
     def plan(self, d: Demand, current: Assignment | None = None) -> Prediction:

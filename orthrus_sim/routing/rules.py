@@ -291,8 +291,12 @@ class AdaptivePlacement(_Booked):
         self.target_s = target_s
         self.pack = pack
         self.closed_loop = closed_loop
-        self.planner = (PlacementPlanner(replicas[0], len(replicas), pack * target_s, slo)
-                        if replicas else None)
+        # a cap on a decoding replica's running generations needs replicas whose scheduler
+        # takes one (the simulator's; a real engine behind the gateway does not)
+        can_cap = bool(replicas) and all(callable(getattr(r.policy, "cap_running", None))
+                                         for r in replicas)
+        self.planner = (PlacementPlanner(replicas[0], len(replicas), pack * target_s, slo,
+                                         can_cap) if replicas else None)
         self.plan: Prediction | None = None
         self.active: list[Any] = []  # the decoding side, taking new generations
         self.draining: list[Any] = []  # leaving it: no new generation until empty
@@ -307,6 +311,7 @@ class AdaptivePlacement(_Booked):
         self._embedding_turn = 0  # ties among the embedding side go round from here
         self._since: float | None = None  # the first arrival observed
         self._span = self.WINDOW_S  # the time the last demand's rates were counted over
+        self.cap: int | None = None  # a capped plan's decodes per decoding replica
 
     # ----- the two sides --------------------------------------------------------------------
     def decoding(self) -> list[Any]:
@@ -360,7 +365,7 @@ class AdaptivePlacement(_Booked):
         p = self.planner.predict(current, d)
         if p.feasible or not self.closed_loop and self._holds(current, d):
             return p
-        toggled = Assignment(current.decoding, not current.riders)
+        toggled = replace(current, riders=not current.riders)
         if self.closed_loop or not toggled.decoding:
             return None
         p = self.planner.predict(toggled, d)
@@ -425,11 +430,13 @@ class AdaptivePlacement(_Booked):
                                 "generation_rps": demand.generation_rps,
                                 "embedding_rps": demand.embedding_rps,
                                 "decoding": plan.assignment.decoding,
-                                "riders": plan.assignment.riders})
+                                "riders": plan.assignment.riders,
+                                "capped": plan.assignment.capped})
         if plan.assignment != current:
             self.decisions.append({"time_s": now, **plan.as_dict(len(self.replicas)),
                                    "demand": asdict(demand)})
         self._resize(plan.assignment.decoding, now)
+        self._cap(demand)
 
     def _resize(self, k: int, now: float) -> None:
         """Grow the decoding side to ``k`` at once, or shrink it by draining."""
@@ -459,6 +466,17 @@ class AdaptivePlacement(_Booked):
     def _role(self, replica: Any, role: str, now: float) -> None:
         self.role_changes.append({"time_s": now, "replica": replica.index, "role": role})
 
+    def _cap(self, d: Demand) -> None:
+        """A capped plan: each decoding replica runs at most the decodes that hold the target
+        at ``d`` (the generations past them wait there); any other plan, no cap."""
+        if not self.planner.can_cap:
+            return
+        cap = (self.planner.decode_cap(d) if self.plan is not None and self.plan.assignment.capped
+               else None)
+        self.cap = cap
+        for r in self.replicas:
+            r.policy.cap_running(cap if r in self.active else None)
+
     def _choose(self, request: Request, candidates: list[Any]) -> Any:
         self._observe(request)
         if request.is_embedding:
@@ -473,12 +491,15 @@ class AdaptivePlacement(_Booked):
         if not self.active:  # a generation with no decoding side: one replica joins at once
             self._resize(1, request.arrival_time)
         side = [r for r in self.active if r in candidates] or candidates
-        roomy = [r for r in side if self._has_room(r, self.load[r.index], request)]
+        roomy = [r for r in side if self._has_room(r, self.load[r.index], request, self.cap)]
+        if not roomy and self.cap is not None and self.closed_loop:
+            # a capped plan's generations past the caps wait for a slot, by design
+            return min(side, key=lambda r: (self.load[r.index].generations, r.index))
         if not roomy:  # the side is full before the next plan: plan now, and grow it at once
             now = request.arrival_time
             self._replan(now, request)
             side = [r for r in self.active if r in candidates] or candidates
-            roomy = [r for r in side if self._has_room(r, self.load[r.index], request)]
+            roomy = [r for r in side if self._has_room(r, self.load[r.index], request, self.cap)]
             if not roomy and len(self.active) < len(self.replicas):
                 demand = self.demand(now, request)
                 kept = self.planner.predict(self.plan.assignment, demand)
@@ -496,8 +517,10 @@ class AdaptivePlacement(_Booked):
                                        "demand": asdict(demand),
                                        "why": "no decoding replica had room"})
                 self._resize(grown.decoding, now)
+                self._cap(demand)
                 side = [r for r in self.active if r in candidates] or candidates
-                roomy = [r for r in side if self._has_room(r, self.load[r.index], request)]
+                roomy = [r for r in side
+                         if self._has_room(r, self.load[r.index], request, self.cap)]
         return min(roomy or side, key=lambda r: (self.load[r.index].generations, r.index))
 
     def _placed_here(self, request: Request, replica: Any, sign: int) -> None:
@@ -550,12 +573,13 @@ class AdaptivePlacement(_Booked):
         return max(0.0, (load.generations + 1) / cfg.max_num_seqs - 1, kv - 1)
 
     @staticmethod
-    def _has_room(replica: Any, load: _Load, request: Request) -> bool:
-        """A decode slot (``max_num_seqs``) and KV blocks for every placed generation's
-        expected final length, this one's included: packing past either leaves requests
-        queued on one replica while another has room."""
+    def _has_room(replica: Any, load: _Load, request: Request, cap: int | None = None) -> bool:
+        """A decode slot (``max_num_seqs``, or a capped plan's cap) and KV blocks for every
+        placed generation's expected final length, this one's included: packing past either
+        leaves requests queued on one replica while another has room."""
         cfg = replica.policy.config
-        return (load.generations < cfg.max_num_seqs and load.final_kv + request.input_len
+        slots = cfg.max_num_seqs if cap is None else min(cap, cfg.max_num_seqs)
+        return (load.generations < slots and load.final_kv + request.input_len
                 + request.expected_output_tokens <= cfg.kv_tokens)
 
     # ----- predictions ----------------------------------------------------------------------
