@@ -1,9 +1,13 @@
 """The co-serving trade-off, shown: normalised throughput against generation TPOT p99 on the
 mix sweep (scenarios/mix_sweep.yaml), per generation share.
 
-Points: the Dedicated splits (1:3, 2:2, 3:1) and the Unified baselines as the brief specifies
-them; Orthrus with an iteration-time target from 1x to 3x the decode-only step (Dedicated-1:3's
-TPOT p50 at that share), with round-robin and with adaptive placement. Writes
+Points: the static splits, Dedicated (1:3, 2:2, 3:1) and Disagg-PD (the prompts offloaded to its
+prefill replicas, which co-batch them with embeddings), each as it is and capped at each
+target (``scheduler.max_num_seqs`` at the most decodes the placement planner finds within the
+target, the rest of the clients waiting: ``PlacementPlanner.decode_cap``), and the Unified
+baselines as the brief specifies them; Orthrus with an iteration-time target from 1x to 3x the
+decode-only step (Dedicated-1:3's TPOT p50 at that share), with round-robin and with adaptive
+placement. A split serves as the best split where its TPOT p99 is no worse. Writes
 frontier.json and frontier.png (docs/reproduction/frontier/ by default) and prints the table;
 ``scripts/make_reproduction.py`` runs it for docs/reproduction.md's "Co-serving frontier".
 Deterministic: the simulator is.
@@ -19,7 +23,9 @@ import math
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-SPLITS = ["dedicated-1:3", "dedicated-2:2", "dedicated-3:1"]
+SPLITS = ["dedicated-1:3", "dedicated-2:2", "dedicated-3:1",
+          "disagg-pd-1:3", "disagg-pd-2:2", "disagg-pd-3:1"]
+CAP = "scheduler.max_num_seqs"
 BASELINES = ["unified-hetero", "unified-homo", "orthrus"]
 TARGETS = [1.0, 1.25, 1.5, 2.0, 3.0]
 OUT = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "frontier"
@@ -43,10 +49,30 @@ def run_point(args: tuple[float, str, list[str], list[str]]) -> dict:
 
 
 def label(p: dict) -> str:
+    if is_split(p) and p["set"]:
+        return f"{p['configuration']} capped {p['set'][0].split('=')[1]}"
     if not p["set"]:
         return p["configuration"] if p["configuration"] != "orthrus" else "orthrus (brief's IBS)"
     router = "adaptive" if any("adaptive" in s for s in p["set"]) else "round-robin"
     return f"orthrus {p['target_x']:g}x {router}"
+
+
+def is_split(p: dict) -> bool:
+    """A static split, capped or not."""
+    return p["configuration"] in SPLITS
+
+
+def caps(share: float, target_s: float, base: list[str]) -> tuple[int, int]:
+    """The most decodes a replica holds within the target with its prompts, and alone (its
+    prompts offloaded): the placement planner's caps at the mix sweep's demand."""
+    from orthrus_sim.experiment.scenario import load_scenario
+    from orthrus_sim.questions.headroom import scenario_demand, scenario_planner
+
+    sc = load_scenario(SCENARIO, [*base, f"workload.generation_share={share}",
+                                  f"scheduler.tpot_target_s={target_s}"])
+    planner = scenario_planner(sc)
+    d = scenario_demand(sc, planner)
+    return planner.decode_cap(d), planner.decode_cap(d, offload=True)
 
 
 def normalised(p: dict, ref: dict) -> float:
@@ -64,13 +90,23 @@ def compute(shares: list[float], workers: int = 2, quick: bool = False, out: Pat
         step = {p["share"]: p["tpot_p50_s"] for p in first if p["configuration"] == "dedicated-1:3"}
         jobs = []
         for s in shares:
+            gens = round(512 * s)  # the scenario's generation clients
+            capped = set()
             for x in TARGETS:
                 # the target alone: waiting_work is prompt+output by default with it
                 sets = [f"scheduler.tpot_target_s={x * step[s]:.6f}"]
                 jobs += [(s, "orthrus", sets, base),
                          (s, "orthrus", sets + ["cluster.router=adaptive"], base)]
+                with_prompts, alone = caps(s, x * step[s], base)
+                for c in SPLITS:  # a cap that binds: below the split's generations per replica
+                    cap = alone if c.startswith("disagg") else with_prompts
+                    if cap < min(256, -(-gens // int(c.split(":")[1]))) and (c, cap) not in capped:
+                        capped.add((c, cap))
+                        jobs.append((s, c, [f"{CAP}={cap}"], base))
         second = list(pool.map(run_point, jobs))
     for p in second:
+        if is_split(p):
+            continue
         p["target_x"] = round(float(p["set"][0].split("=")[1]) / step[p["share"]], 2)
         if p["set"][-1] == "cluster.router=adaptive":
             p["headroom"] = headroom_at(p["share"], p["set"][0])
@@ -143,7 +179,7 @@ def _plots(points: list[dict], shares: list[float], out: Path) -> None:
                 ax.annotate(f"{p['target_x']:g}x", (p["tpot_p99_s"] * 1e3, normalised(p, ref)),
                             fontsize=7, xytext=(3, 3), textcoords="offset points")
         splits = sorted((p["tpot_p99_s"] * 1e3, normalised(p, ref)) for p in here
-                        if not p["set"] and p["configuration"] in SPLITS)
+                        if is_split(p) and p["tpot_p99_s"] is not None)
         xs, ys, top = [], [], 0.0
         for x, y in splits:  # the best split at a TPOT p99 no worse than x: a rising step
             top = max(top, y)
@@ -155,7 +191,7 @@ def _plots(points: list[dict], shares: list[float], out: Path) -> None:
                 label="best static split at TPOT p99 <= x")
         spots: dict[tuple, list[str]] = {}  # baselines at one spot share one label
         for p in here:
-            if p["set"] or p["tpot_p99_s"] is None:
+            if (p["set"] and not is_split(p)) or p["tpot_p99_s"] is None:
                 continue
             x, y = p["tpot_p99_s"] * 1e3, normalised(p, ref)
             ax.plot(x, y, "k^" if "dedicated" in p["configuration"] else "rx", markersize=8)
@@ -185,8 +221,8 @@ def best_split(p: dict, points: list[dict]) -> dict | None:
     no worse than ``p``'s (None when every split's is worse)."""
     ref = _reference(points, p["share"])
     tpot = p["tpot_p99_s"]
-    splits = [s for s in points if s["share"] == p["share"] and not s["set"]
-              and s["configuration"] in SPLITS and tpot is not None and s["tpot_p99_s"] <= tpot]
+    splits = [s for s in points if s["share"] == p["share"] and is_split(s)
+              and tpot is not None and s["tpot_p99_s"] is not None and s["tpot_p99_s"] <= tpot]
     return max(splits, key=lambda s: normalised(s, ref), default=None)
 
 
@@ -202,9 +238,9 @@ def versus_best_split(p: dict, points: list[dict]) -> float | None:
 def dominated_by(p: dict, points: list[dict]) -> list[str]:
     """The static splits that serve both kinds more than 2 % more at a TPOT p99 no worse."""
     tpot = p["tpot_p99_s"]
-    return [s["configuration"] for s in points
-            if s["share"] == p["share"] and s["configuration"] in SPLITS and s is not p
-            and tpot is not None and s["tpot_p99_s"] <= tpot
+    return [label(s) for s in points
+            if s["share"] == p["share"] and is_split(s) and s is not p
+            and tpot is not None and s["tpot_p99_s"] is not None and s["tpot_p99_s"] <= tpot
             and s["embedding_rps"] > 1.02 * p["embedding_rps"]
             and s["generation_rps"] > 1.02 * p["generation_rps"]]
 
@@ -217,7 +253,8 @@ def table(points: list[dict], shares: list[float]) -> list[str]:
     for share in shares:
         ref = _reference(points, share)
         here = [p for p in points if p["share"] == share]
-        for p in sorted(here, key=lambda p: (bool(p["set"]), p.get("target_x", 0), label(p))):
+        for p in sorted(here, key=lambda p: (bool(p["set"]) and not is_split(p),
+                                             p.get("target_x", 0), label(p))):
             tpot, ttft = p["tpot_p99_s"], p["ttft_p99_s"]
             lines.append(
                 f"| {share} | {label(p)} | {p['embedding_rps']:.1f} | {p['generation_rps']:.2f} | "
@@ -228,10 +265,10 @@ def table(points: list[dict], shares: list[float]) -> list[str]:
 
 
 def _versus(p: dict, points: list[dict]) -> str:
-    if p["configuration"] in SPLITS and not p["set"]:
+    if is_split(p):
         return "-"
     ratio, best = versus_best_split(p, points), best_split(p, points)
-    return "-" if ratio is None else f"{ratio:.2f} ({best['configuration'].removeprefix('dedicated-')})"
+    return "-" if ratio is None else f"{ratio:.2f} ({label(best).removeprefix('dedicated-')})"
 
 
 if __name__ == "__main__":

@@ -105,10 +105,19 @@ class _Options:
     t_hi: np.ndarray
     counts: np.ndarray
     starts: np.ndarray
+    # a row's tokens are prompts or riders, pooled (offload: its prompts priced by the price);
+    # else riders beside its own decodes' prompts, priced exactly in its time
+    pooled: np.ndarray
 
 
-def bound(planner: PlacementPlanner, d: Demand, merged: bool = True) -> Bound:
-    """The bound on any placement of ``planner``'s replicas for ``d`` (module docstring)."""
+def bound(planner: PlacementPlanner, d: Demand, merged: bool = True, riders: bool = True,
+          offload: bool = True) -> Bound:
+    """The bound on any placement of ``planner``'s replicas for ``d`` (module docstring).
+    Without ``offload`` each replica prefills its own decodes' prompts, without ``riders``
+    (and ``offload``) no embedding rides beside decodes: what the decodes' spread alone, then
+    riders, then offloaded prompts add over the best split (the parts of a gain)."""
+    if offload and not riders:
+        raise ValueError("a bound without riders is one without offloaded prompts too")
     planner.set_piece(d)
     gen_ref, emb_ref = planner.references(d)
     emb_len = max(d.embedding_len, 1.0)
@@ -116,7 +125,7 @@ def bound(planner: PlacementPlanner, d: Demand, merged: bool = True) -> Bound:
     prompt = max(d.prompt_len, 0.0)
     emb_cap = planner.embedding_demand(d)[1]
     gen_cap = math.inf if d.closed_loop else d.generation_rps
-    opts = _options(planner, d, merged)
+    opts = _options(planner, d, merged, riders, offload)
     need = min(planner.in_flight(d), planner.replicas * planner.slots(d)) if d.closed_loop else 0
     # the fewest decodes a replica that leaves generations waiting holds: the most that fit
     # within the target beside their own prompts (with the prompts offloaded, more fit)
@@ -126,8 +135,9 @@ def bound(planner: PlacementPlanner, d: Demand, merged: bool = True) -> Bound:
         """Each option's relaxed value at these weights and this prompt price."""
         per_gen = w_gen / gen_ref if gen_ref > 0 else 0.0
         per_token = w_emb / emb_ref / emb_len
-        num = (opts.decodes * (per_gen - price * prompt) / out_len
-               + max(per_token, price) * opts.tokens)
+        num = opts.decodes * per_gen / out_len + np.where(
+            opts.pooled, max(per_token, price) * opts.tokens - opts.decodes * price * prompt
+            / out_len, per_token * opts.tokens)
         return np.where(num >= 0, num / opts.t_lo, num / opts.t_hi)
 
     def dual(w_gen: float, w_emb: float, price: float) -> float:
@@ -146,7 +156,7 @@ def bound(planner: PlacementPlanner, d: Demand, merged: bool = True) -> Bound:
             if gen_cap < math.inf and gen_ref > 0:
                 fixed += (1 - w_gen) * gen_cap / gen_ref
             top = 4 * max(w_emb / emb_ref / emb_len, w_gen / gen_ref / max(prompt, 1.0)
-                          if gen_ref > 0 else 0.0)
+                          if gen_ref > 0 else 0.0) if offload else 0.0
             price, value = _least(lambda x, g=w_gen, e=w_emb: dual(g, e, x), top)
             if value + fixed < best:
                 best, at = value + fixed, (w_gen, w_emb, price)
@@ -162,38 +172,46 @@ def bound(planner: PlacementPlanner, d: Demand, merged: bool = True) -> Bound:
     return Bound(best if math.isfinite(best) else math.nan, split, label, cap, placement, asked)
 
 
-def _options(planner: PlacementPlanner, d: Demand, merged: bool) -> _Options:
-    """Each decode count with each number of chunk tokens (multiples of ``min_chunk_tokens``)
-    whose cheaper pricing fits the target, and the whole-budget replica's chunk counts."""
+def _options(planner: PlacementPlanner, d: Demand, merged: bool, riders: bool = True,
+             offload: bool = True) -> _Options:
+    """Each decode count with each number of chunk tokens (multiples of ``min_chunk_tokens``,
+    and the most that fit) within the target, and the whole-budget replica's chunk counts:
+    pooled prompts and riders (``offload``), or riders beside the decodes' own prompts."""
     mid = planner.mid(d)
+    out = max(d.output_len, 1.0)
     step, budget = planner.min_chunk, planner.budget
-    rows: list[tuple[int, int, float, float]] = []
+    rows: list[tuple[int, float, float, float, bool]] = []
     for tokens in range(step, budget + 1, step):  # no decodes: a budget of chunks, no target
-        as_prompts = planner.iteration_s(0, 0, tokens)
         as_riders = _embedding_s(planner, tokens, merged)
-        rows.append((0, tokens, min(as_prompts, as_riders), max(as_prompts, as_riders)))
+        as_prompts = planner.iteration_s(0, 0, tokens) if offload else as_riders
+        rows.append((0, tokens, min(as_prompts, as_riders), max(as_prompts, as_riders), offload))
     most = min(planner.slots(d), planner.in_flight(d)) if d.closed_loop else planner.slots(d)
 
     def priced(n: int, tokens: int) -> tuple[float, float]:
+        if not offload:  # riders beside the decodes' own prompts
+            t = prompts_s(planner, d, n, n * d.prompt_len / out, tokens)
+            return t, t
         as_prompts = planner.iteration_s(n, n * mid, tokens)
         as_riders = planner.iteration_s(n, n * mid, 0, tokens)
         return min(as_prompts, as_riders), max(as_prompts, as_riders)
 
     for n in range(1, most + 1 if d.asks_generation else 1):
-        # a replica prefilling its own decodes' prompts, as a split's and the planner's do
-        own = n * d.prompt_len / max(d.output_len, 1.0)
-        own_s = prompts_s(planner, d, n, own)
-        if own_s <= planner.target_s:
-            rows.append((n, own, own_s, own_s))
+        if offload:  # a replica prefilling its own decodes' prompts, as a split's does
+            own = n * d.prompt_len / out
+            own_s = prompts_s(planner, d, n, own)
+            if own_s <= planner.target_s:
+                rows.append((n, own, own_s, own_s, True))
         last = None
-        for tokens in range(0, budget - n + 1, step):
+        for tokens in range(0, budget - n + 1 if riders else 1, step):
             lo, hi = priced(n, tokens)
             if lo > planner.target_s:
                 break
-            rows.append((n, tokens, lo, hi))
+            rows.append((n, tokens, lo, hi, offload))
             last = tokens
         if last is None:  # more decodes fit no better
             break
+        if not offload:  # riders come in multiples of min_chunk_tokens
+            continue
         # the most chunk tokens that fit, to the token (a prompt is cut anywhere): a value
         # (a + b c) / t(c) with t near affine in c is largest at an end of what fits
         low, high = last, min(last + step, budget - n + 1) - 1
@@ -204,22 +222,25 @@ def _options(planner: PlacementPlanner, d: Demand, merged: bool) -> _Options:
             else:
                 high = middle - 1
         if low > last:
-            rows.append((n, low, *priced(n, low)))
-    a = np.array(rows, dtype=float)
-    decodes = a[:, 0].astype(int)
+            rows.append((n, low, *priced(n, low), True))
+    decodes = np.array([r[0] for r in rows], dtype=int)
     counts, starts = np.unique(decodes, return_index=True)  # rows are in decode order
-    return _Options(decodes, a[:, 1], a[:, 2], a[:, 3], counts, starts)
+    a = np.array([r[1:4] for r in rows], dtype=float)
+    return _Options(decodes, a[:, 0], a[:, 1], a[:, 2], counts, starts,
+                    np.array([r[4] for r in rows], dtype=bool))
 
 
-def prompts_s(planner: PlacementPlanner, d: Demand, n: int, tokens: float) -> float:
-    """Seconds of an iteration of ``n`` decodes at mid-output beside ``tokens`` prompt tokens,
-    a mean that need not be whole (a steady state's prompts arrive ``prompt_len / output_len``
-    per decode per iteration): between the whole counts around it."""
+def prompts_s(planner: PlacementPlanner, d: Demand, n: int, tokens: float,
+              riders: int = 0) -> float:
+    """Seconds of an iteration of ``n`` decodes at mid-output beside ``tokens`` prompt tokens
+    (and ``riders`` embedding tokens), a mean that need not be whole (a steady state's prompts
+    arrive ``prompt_len / output_len`` per decode per iteration): between the whole counts
+    around it."""
     kv = n * planner.mid(d)
     low = math.floor(tokens)
-    t = planner.iteration_s(n, kv, low)
+    t = planner.iteration_s(n, kv, low, riders)
     if tokens > low:
-        t += (tokens - low) * (planner.iteration_s(n, kv, low + 1) - t)
+        t += (tokens - low) * (planner.iteration_s(n, kv, low + 1, riders) - t)
     return t
 
 
