@@ -46,8 +46,8 @@ CASES: dict[str, tuple[str, list[str], str]] = {
 PINNED = {
     "iter_retgen/orthrus": "0a1a651628b7fd6af259",
     "kv_pressure/orthrus": "e3ab43ba456cd6f03743",
-    "mix_sweep/adaptive-target": "bee85bcb98d709e2f98b",
-    "mix_sweep/adaptive-target-strict": "72501848061b6fefdb3e",
+    "mix_sweep/adaptive-target": "7034711883067704a349",
+    "mix_sweep/adaptive-target-strict": "8afa6e3bd955a1c136a7",
     "mix_sweep/dedicated-1:3": "f24b818227f590ae9977",
     "mix_sweep/disagg-pd-2:2": "f329f308b383cbd78a24",
     "mix_sweep/mixed-pool-reserve": "e8c37c7d5c5da20495fe",

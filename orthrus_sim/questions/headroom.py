@@ -55,9 +55,10 @@ def scenario_planner(sc: Scenario) -> PlacementPlanner:
     rule = RouterRule.of(sc, sc.scheduler.tpot_target_s)
     plan = plan_configuration(sc, "orthrus")[0]
     replica = SimpleNamespace(cost=replica_cost(sc)(plan), policy=SimpleNamespace(config=plan.config))
-    # the simulator's replicas take a cap on their running generations: capped plans too
+    # the simulator's replicas take a cap on their running generations (capped plans too) and
+    # merge their adapter on the embedding side
     return PlacementPlanner(replica, sc.cluster.gpus, rule.pack * rule.target_s, rule.slo,
-                            can_cap=True)
+                            can_cap=True, merges=True)
 
 
 def _steady_arrival(sc: Scenario) -> Arrival:

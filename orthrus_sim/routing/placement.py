@@ -198,12 +198,15 @@ class PlacementPlanner:
     HYSTERESIS = 0.03  # a new plan must predict this much more than the current one
 
     def __init__(self, replica: Any, replicas: int, target_s: float,
-                 slo: dict[str, dict[str, float]] | None = None, can_cap: bool = False) -> None:
+                 slo: dict[str, dict[str, float]] | None = None, can_cap: bool = False,
+                 merges: bool = False) -> None:
         self.replica = replica
         self.replicas = replicas
         self.target_s = target_s
         self.slo = slo  # bounds per kind (``slo_bounds``): the goodput objective; None: throughput
         self.can_cap = can_cap  # the router can cap a decoding replica's running generations
+        # an embedding-side replica runs its adapter merged (the simulator's router merges it)
+        self.merges = merges
         # goodput objective: the last demand's raw predictions and the kinds some feasible one
         # meets (``plan`` asks for every assignment under one demand: each predicted once)
         self._demand_for: tuple[Demand, dict[Assignment, tuple[Prediction, dict]], set[str]] | None \
@@ -215,6 +218,7 @@ class PlacementPlanner:
         self.piece: int | None = None  # the embedding length of the demand being predicted
         self.kv_tokens = cfg.kv_tokens
         self._full: dict[int, float] = {}  # embedding length -> tokens/s with the whole budget
+        self._merged: dict[int, float] = {}  # the same, the adapter merged
         self._times: dict[tuple, float] = {}
         self._riders: dict[tuple[int, int, int | None], float] = {}
 
@@ -320,7 +324,7 @@ class PlacementPlanner:
         wants_gen = d.asks_generation
         emb_len = max(d.embedding_len, 1.0)
         full, emb_demand = self.embedding_demand(d)
-        side = (self.replicas - k) * full / emb_len
+        side = (self.replicas - k) * self.side_rate(emb_len) / emb_len
         if k == 0 or not wants_gen:
             if a.riders:  # riders with no decodes: the decoding side embeds too
                 side += k * full / emb_len
@@ -415,6 +419,17 @@ class PlacementPlanner:
         arrival rate, or what the embeddings in flight fill in one full iteration)."""
         full = self.full_rate(max(d.embedding_len, 1.0))
         return full, max(d.embedding_rps, d.embeddings * full / self.budget)
+
+    def side_rate(self, embedding_len: float) -> float:
+        """Embedding tokens/s of a replica on the embedding side: with its whole budget, its
+        adapter merged where the router merges it (``merges``)."""
+        if not self.merges:
+            return self.full_rate(embedding_len)
+        piece = max(1, round(embedding_len))
+        rate = self._merged.get(piece)
+        if rate is None:
+            rate = self._merged[piece] = chunk_rate(self.replica, 0, 0, None, piece, adapter=False)
+        return rate
 
     def full_rate(self, embedding_len: float) -> float:
         """Embedding tokens/s of a replica embedding with its whole budget."""

@@ -295,8 +295,11 @@ class AdaptivePlacement(_Booked):
         # takes one (the simulator's; a real engine behind the gateway does not)
         can_cap = bool(replicas) and all(callable(getattr(r.policy, "cap_running", None))
                                          for r in replicas)
+        # and an embedding-side replica merged, where the replicas merge (``_resize``)
+        merges = bool(replicas) and all(callable(getattr(r, "merge_adapter", None))
+                                        for r in replicas)
         self.planner = (PlacementPlanner(replicas[0], len(replicas), pack * target_s, slo,
-                                         can_cap) if replicas else None)
+                                         can_cap, merges) if replicas else None)
         self.plan: Prediction | None = None
         self.active: list[Any] = []  # the decoding side, taking new generations
         self.draining: list[Any] = []  # leaving it: no new generation until empty
