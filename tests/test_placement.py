@@ -293,3 +293,21 @@ def test_an_open_loads_plan_takes_the_most_room_among_plans_serving_it(replicas,
     assert plan.peak_use == min(p.peak_use for p in tied)
     for p in preds:  # each part of the use at most the whole: the decode iteration's, here
         assert p.peak_use >= p.decode_s / target - 1e-9
+
+
+def test_a_move_needs_its_slos_met_with_margin():
+    """Goodput objective: a plan whose predicted latency sits within 3 % of its SLO's bound
+    meets it where it is the current plan, not as one to move to (else a demand's strays flip
+    it in and out of meeting the SLO, a role change each time: the mix sweep at a 3x target
+    and a 0.8 s bound went 3:1 <-> 2:2 + riders every few seconds)."""
+    d = Demand(generations=64, embeddings=256, prompt_len=128, output_len=512, embedding_len=128)
+    a = Assignment(1, False)  # three embedding replicas, one decoding
+    plain = PlacementPlanner(replica(0.04), 4, 0.04)
+    p = plain.predict(a, d)
+    assert p.feasible
+    at = plain.latencies(a, d, p.embedding_rps, p.generation_rps, p.tpot_s)["latency_s"]
+    slo = {"embedding": {"latency_s": at * 1.01}, "generation": {}}
+    planner = PlacementPlanner(replica(0.04), 4, 0.04, slo=slo)
+    held, moved_to = planner.predict(a, d), planner.predict(a, d, margin=True)
+    assert "embedding" in held.meets and "embedding" not in moved_to.meets
+    assert moved_to.objective < held.objective

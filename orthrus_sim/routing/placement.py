@@ -238,15 +238,24 @@ class PlacementPlanner:
                 if (k or not capped) and (not offload or 0 < k < self.replicas)]
 
     # ----- one assignment -------------------------------------------------------------------
-    def predict(self, a: Assignment, d: Demand) -> Prediction:
+    def predict(self, a: Assignment, d: Demand, margin: bool = False) -> Prediction:
+        """``a``'s prediction under ``d``; with the goodput objective and ``margin``, a kind
+        meets its SLOs only with the planner's ``HYSTERESIS`` to spare on every bound (as a
+        move needs on the TPOT target: a plan whose latency sits at a bound would flip in and
+        out of meeting it with the demand's strays)."""
         if self.slo is None:
             return self._predict(a, d)[0]
         raw, meetable = self._for_demand(d)
         p, normalised = raw[a] if a in raw else self._predict(a, d)
+        meets = p.meets
+        if margin:
+            room = 1 - self.HYSTERESIS
+            meets = tuple(kind for kind in meets if all(
+                p.latencies[name] <= bound * room for name, bound in self.slo[kind].items()))
         # goodput: the kinds meeting their SLOs, and those whose SLOs no assignment holding
         # the target meets (they steer nothing: counted by their throughput, not dropped)
-        counted = set(p.meets) | (set(self.slo) - meetable)
-        return replace(p, objective=sum(normalised[kind] for kind in counted))
+        counted = set(meets) | (set(self.slo) - meetable)
+        return replace(p, objective=sum(normalised[kind] for kind in counted), meets=meets)
 
     def set_piece(self, d: Demand) -> None:
         """Price rider and embedding chunks at ``d``'s embedding length from here on."""
@@ -493,7 +502,9 @@ class PlacementPlanner:
         high, with a peak use on an open load, a TPOT on a closed one, or a normalised
         throughput that much better), or it no longer holds the target; an assignment it moves
         to must hold the target with ``HYSTERESIS`` to spare."""
-        preds = [self.predict(a, d) for a in self.candidates()]
+        # a move needs its SLOs met with margin, as its TPOT (below)
+        preds = [self.predict(a, d, margin=current is not None and a != current)
+                 for a in self.candidates()]
         # a move needs margin under the target as well as a better objective: a demand at the
         # boundary where an assignment stops holding the target does not flip it in and out
         margin = self.target_s * (1 - self.HYSTERESIS)
