@@ -45,7 +45,9 @@ def run_point(args: tuple[float, str, list[str], list[str]]) -> dict:
             "generation_rps": m["throughput_rps"]["generation"],
             "tpot_p50_s": m["latency_s"].get("tpot", {}).get("p50"),
             "tpot_p99_s": m["latency_s"].get("tpot", {}).get("p99"),
-            "ttft_p99_s": m["latency_s"].get("ttft", {}).get("p99")}
+            "ttft_p99_s": m["latency_s"].get("ttft", {}).get("p99"),
+            # the adaptive router's last plan (emb:dec, capped, riders)
+            "plan": (m.get("placement") or {}).get("plans", [{}])[-1].get("assignment")}
 
 
 def label(p: dict) -> str:

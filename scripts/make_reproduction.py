@@ -415,11 +415,12 @@ def frontier(quick: bool) -> list[str]:
                 continue
             if cfg is not None and not p["set"] and p["configuration"] == cfg:
                 return p
-            if router is not None and p["set"] and p["target_x"] == x and mf.label(p).endswith(router):
+            if (router is not None and p.get("target_x") == x
+                    and mf.label(p).endswith(router)):
                 return p
         return None
 
-    protect = ["| share | Dedicated-1:3 gen/s, TPOT p50 (ms) | target (ms) | router | "
+    protect = ["| share | Dedicated-1:3 gen/s, TPOT p50 (ms) | target (ms) | router (plan) | "
                "Orthrus + target: emb/s, gen/s (x 1:3), TPOT p99 (ms) | within target, >= 0.75x |",
                "|---|---|---|---|---|---|"]
     held = []
@@ -431,9 +432,10 @@ def frontier(quick: bool) -> list[str]:
             ok = (o["tpot_p99_s"] <= target and o["generation_rps"] >= 0.75 * d13["generation_rps"]
                   and o["embedding_rps"] > 0)
             held.append(ok)
+            plan = f" ({o['plan']})" if o.get("plan") else ""
             protect.append(
                 f"| {share} | {d13['generation_rps']:.2f}, {d13['tpot_p50_s'] * 1e3:.1f} | "
-                f"{target * 1e3:.1f} | {router} | {o['embedding_rps']:.1f}, "
+                f"{target * 1e3:.1f} | {router}{plan} | {o['embedding_rps']:.1f}, "
                 f"{o['generation_rps']:.2f} ({o['generation_rps'] / d13['generation_rps']:.2f}x), "
                 f"{o['tpot_p99_s'] * 1e3:.1f} | {'yes' if ok else 'no'} |")
     adaptive = [p for p in points if p["set"] and mf.label(p).endswith("adaptive")]
@@ -460,7 +462,13 @@ def frontier(quick: bool) -> list[str]:
         "(`waiting_work` is prompt+output by default with a target).", "",
         "**Generation protected** (target 1.25x Dedicated-1:3's TPOT p50: generation TPOT p99 "
         "within it and generation throughput at least 0.75x Dedicated-1:3's, embeddings served): "
-        f"{verdict(all(held))}.", "", *protect, "",
+        f"{verdict(all(held))}"
+        + ("" if all(held) else ": the placement planner maximises normalised throughput, and "
+           "where a capped plan (its decoding replicas capped at the most decodes that hold the "
+           "target, the other generation clients waiting for a slot) serves more of it, it "
+           "trades generations for embeddings; an SLO on the generations' TTFT with "
+           "`cluster.objective: goodput` refuses the cap (docs/scheduler.md)") + ".", "",
+        *protect, "",
         "**On the frontier** (adaptive placement: no static split serves both kinds more than "
         "2 % more at a TPOT p99 no worse): "
         f"{len(adaptive) - len(dominated)} of {len(adaptive)} adaptive points are undominated"
@@ -495,13 +503,12 @@ def _headroom_lines(heads: list[float], table: list[str]) -> list[str]:
              if statistics.median(heads) < 1.05 else
              "a placement could reach the 1.05x median issue 33 asks")
     return ["**What any placement could serve** (`orthrus-sim headroom`: an upper bound on every "
-            "placement of the replicas, any number of decodes and any rider chunks on each "
-            "within the target, over the best static split under the same steady-state "
-            "prediction of the simulator's cost model; docs/scheduler.md): at most "
+            "placement of the replicas, any number of decodes and chunk tokens on each within "
+            "the target, decodes capped and prompts offloaded included, over the best static "
+            "split (as it is, capped or offloaded) under the same steady-state prediction of "
+            "the simulator's cost model; docs/scheduler.md): at most "
             f"{heads[-1]:.3f}x the best split over the {len(heads)} points above 1x, median "
-            f"{statistics.median(heads):.3f}x: {reach}. Where it is above 1, an uneven "
-            "spread (one replica holding a few decodes and riders) beats every even split:", "",
-            *table, ""]
+            f"{statistics.median(heads):.3f}x: {reach}:", "", *table, ""]
 
 
 EXPERIMENTS = {"mix_sweep": mix_sweep, "head_of_line": head_of_line, "phased": phased,
