@@ -341,3 +341,26 @@ def test_a_closed_loops_burst_keeps_the_fixed_slack():
         router.route(gen(21, 10.031))  # 9 % past
         grown[closed] = len(router.active) > 1
     assert grown == {True: True, False: False}
+
+
+def test_capped_plans_are_weighed_only_where_clients_send_one_kind():
+    """A cap leaves generations waiting for a slot: with clients split by kind (or an open
+    load) that trades generations for embeddings the other clients send; in one mixed pool the
+    waiting generations hold their clients, who send no embeddings meanwhile, so the planner
+    does not weigh caps there (they churned and served less of both)."""
+    from orthrus_sim.routing.rules import RouterRule
+
+    per_kind = load_scenario("scenarios/mix_sweep.yaml", ["scheduler.tpot_target_s=0.03"])
+    mixed = load_scenario("scenarios/mix_sweep.yaml", ["scheduler.tpot_target_s=0.03",
+                                                       "workload.arrival.pools=mixed"])
+    open_load = load_scenario("scenarios/capacity_mix.yaml", ["scheduler.tpot_target_s=0.045"])
+    assert RouterRule.of(per_kind, 0.03).caps and RouterRule.of(open_load, 0.045).caps
+    assert not RouterRule.of(mixed, 0.03).caps
+    class Cappable(FakePolicy):
+        def cap_running(self, cap):
+            self.cap = cap
+
+    reps = [FakeReplica(i, policy=Cappable()) for i in range(2)]
+    assert make_router("adaptive", reps, 0.03).planner.can_cap
+    assert not make_router("adaptive", reps, 0.03, caps=False).planner.can_cap
+    assert not make_router("adaptive", [FakeReplica(i) for i in range(2)], 0.03).planner.can_cap

@@ -58,7 +58,7 @@ def scenario_planner(sc: Scenario) -> PlacementPlanner:
     # the simulator's replicas take a cap on their running generations (capped plans too) and
     # merge their adapter on the embedding side
     return PlacementPlanner(replica, sc.cluster.gpus, rule.pack * rule.target_s, rule.slo,
-                            can_cap=True, merges=True)
+                            can_cap=rule.caps, merges=True)
 
 
 def _steady_arrival(sc: Scenario) -> Arrival:

@@ -281,7 +281,8 @@ class AdaptivePlacement(_Booked):
     NOISE_SD = 3.0  # an open load's plan holding at its count less this many Poisson sds stays
 
     def __init__(self, replicas: list[Any], target_s: float | None, pack: float = 1.0,
-                 closed_loop: bool = False, slo: dict[str, dict[str, float]] | None = None) -> None:
+                 closed_loop: bool = False, slo: dict[str, dict[str, float]] | None = None,
+                 caps: bool = True) -> None:
         super().__init__(replicas, "adaptive")
         if target_s is None:
             raise ValueError("cluster.router 'adaptive' needs scheduler.tpot_target_s: it packs "
@@ -293,8 +294,8 @@ class AdaptivePlacement(_Booked):
         self.closed_loop = closed_loop
         # a cap on a decoding replica's running generations needs replicas whose scheduler
         # takes one (the simulator's; a real engine behind the gateway does not)
-        can_cap = bool(replicas) and all(callable(getattr(r.policy, "cap_running", None))
-                                         for r in replicas)
+        can_cap = caps and bool(replicas) and all(
+            callable(getattr(r.policy, "cap_running", None)) for r in replicas)
         # and an embedding-side replica merged, where the replicas merge (``_resize``)
         merges = bool(replicas) and all(callable(getattr(r, "merge_adapter", None))
                                         for r in replicas)
@@ -620,6 +621,15 @@ def closed_loop(scenario: Any) -> bool:
     return w.kind != "trace" and all(p.process == "closed-loop" for p in w.default_pools())
 
 
+def one_pool(scenario: Any) -> bool:
+    """Whether a closed loop's clients each send both kinds (one mixed pool, or workflows):
+    there a generation waiting for a slot holds its client, who sends no embedding meanwhile,
+    so a cap on the decoding side trades generations for embeddings that never come (capped
+    plans churned eleven times in 180 s on the mix sweep's mixed pool and served less of both)."""
+    return closed_loop(scenario) and any(p.kind in ("mixed", "workflow")
+                                         for p in scenario.workload.default_pools())
+
+
 def slo_bounds(scenario: Any) -> dict[str, dict[str, float]] | None:
     """The SLO bounds per kind the planner holds to with ``cluster.objective: goodput`` (a
     kind with none: finishing is enough); None for the throughput objective."""
@@ -641,28 +651,29 @@ class RouterRule:
     pack: float = 1.0
     closed_loop: bool = False
     slo: dict[str, dict[str, float]] | None = None
+    caps: bool = True  # capped plans weighed (not where one pool's clients send both kinds)
 
     @classmethod
     def of(cls, scenario: Any, target_s: float | None) -> RouterRule:
         """The scenario's rule, with the unified replicas' iteration-time target."""
         return cls(scenario.cluster.router, target_s, scenario.cluster.adaptive_pack,
-                   closed_loop(scenario), slo_bounds(scenario))
+                   closed_loop(scenario), slo_bounds(scenario), not one_pool(scenario))
 
     def make(self, replicas: list[Any]) -> Router:
         return make_router(self.rule, replicas, self.target_s, self.pack, self.closed_loop,
-                           self.slo)
+                           self.slo, self.caps)
 
 
 def make_router(rule: str, replicas: list[Any], target_s: float | None = None,
                 pack: float = 1.0, closed_loop: bool = False,
-                slo: dict[str, dict[str, float]] | None = None) -> Router:
+                slo: dict[str, dict[str, float]] | None = None, caps: bool = True) -> Router:
     """The router for ``cluster.router``. ``adaptive`` places work on unified replicas; a split
     placement (Dedicated, Disagg-PD) already fixes each replica's kind, so there it routes by
     kind, round-robin within a side."""
     if rule == "adaptive" and any(r.role != "unified" for r in replicas):
         return Router(replicas, "round-robin")
     if rule == "adaptive":
-        return AdaptivePlacement(replicas, target_s, pack, closed_loop, slo)
+        return AdaptivePlacement(replicas, target_s, pack, closed_loop, slo, caps)
     if rule == "least-predicted-time":
         return LeastPredictedTime(replicas)
     return Router(replicas, rule)
