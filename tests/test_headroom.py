@@ -10,7 +10,7 @@ import statistics
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -196,9 +196,13 @@ def test_the_bound_is_at_least_every_simulated_placement(replicas, share, client
     _check_simulated(replicas, share, clients, target_ms)
 
 
-# slow stage: a minute of simulations over random mixes, loads and targets on 2-3 replicas
+# slow stage: a minute of simulations over random mixes, loads and targets on 2-3 replicas (no
+# shrinking: a failure's case is printed as it is, where shrinking took CI over five minutes).
+# The example: 8 embedding clients, whose requests an embedding replica answered in an iteration
+# of their 1,024 tokens, twice what the bound once allowed (``embeddings_asked``).
 @pytest.mark.slow
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=5, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@example(replicas=2, share=0.88, clients=64, target_ms=18.0)
 @given(replicas=st.sampled_from([2, 3]), share=st.floats(0.1, 0.9),
        clients=st.sampled_from([64, 128, 256, 384]), target_ms=st.floats(18.0, 45.0))
 def test_the_bound_is_at_least_every_simulated_placement_over_random_cases(
