@@ -32,7 +32,7 @@ from orthrus_sim import read_structured, resolve_path
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.registry import resolve_policy
 from orthrus_sim.experiment.distributions import LengthDist, Uniform, fixed
-from orthrus_sim.experiment.trace import load_trace
+from orthrus_sim.experiment.trace import FORMAT_NAMES, trace_format, window
 
 
 def shipped_calibrations() -> dict[str, Path]:
@@ -209,17 +209,29 @@ class Pool(Strict):
     (Iter-RetGen workflows, from the ``iter_retgen`` section). ``closed-loop``: ``clients``
     clients, each sending its next request ``think_time_s`` (exponential mean) after the last
     ended, started evenly over ``ramp_s``; ``poisson``/``gamma``: ``rate`` arrivals per second
-    (gamma with coefficient of variation ``cv``); ``burst``: ``count`` arrivals at the start.
+    (gamma with coefficient of variation ``cv``); ``burst``: ``count`` arrivals at the start;
+    ``trace``: the requests of a trace file (``trace``, ``format``) in the window ``start_s``,
+    ``length_s``, their time scaled to a mean of ``rate`` per second where it is given: a
+    kindless trace (every public format) is one kind's stream, and two such pools, one per
+    kind, merge into one mixed workload.
     """
 
     kind: Literal["embedding", "generation", "mixed", "workflow"] = "mixed"
-    process: Literal["closed-loop", "poisson", "gamma", "burst"] = "closed-loop"
+    process: Literal["closed-loop", "poisson", "gamma", "burst", "trace"] = "closed-loop"
     clients: int = Field(default=64, ge=1)
     think_time_s: float = Field(default=0.0, ge=0)
     ramp_s: float = Field(default=0.0, ge=0)
     rate: float | None = Field(default=None, gt=0)
     cv: float = Field(default=1.0, gt=0)
     count: int | None = Field(default=None, ge=1, description="burst: arrivals at the start")
+    trace: str | None = Field(default=None, description="process trace: the file replayed "
+                              "(orthrus_sim/experiment/trace.py: the formats)")
+    format: Literal[FORMAT_NAMES] = Field(  # type: ignore[valid-type]
+        default="auto", description="trace: the file's format; auto: from its header")
+    start_s: float = Field(default=0.0, ge=0, description="trace: the window's start, in the "
+                           "trace's own seconds")
+    length_s: float | None = Field(default=None, gt=0, description="trace: the window's length "
+                                   "in the trace's seconds (default: to its end)")
     generation_share: float | None = Field(default=None, ge=0, le=1)
     stream: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9_.-]+$",
@@ -229,10 +241,25 @@ class Pool(Strict):
                     "with its old name: a dedicated server benched with one kind's pool "
                     "(bench --only) sends what that pool sends in the whole scenario")
 
+    @field_validator("trace")
+    @classmethod
+    def _trace_path(cls, v, info: ValidationInfo):
+        return v if v is None else str(resolve_path(v, info))
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.process in ("poisson", "gamma") and self.rate is None:
             raise ValueError(f"process {self.process!r} needs 'rate' (arrivals per second)")
+        if (self.process == "trace") != (self.trace is not None):
+            raise ValueError("process 'trace' and 'trace: path/to/file' go together")
+        if self.process == "trace":
+            fmt = trace_format(self.trace, self.format)  # every row checked now
+            if self.kind not in ("embedding", "generation") and fmt != "orthrus":
+                raise ValueError(f"trace {self.trace} ({fmt}) has no kind column: give the "
+                                 "pool kind embedding or generation (one kind's stream)")
+            if self.kind == "workflow":
+                raise ValueError("a trace pool replays requests, not workflows")
+            window(self.trace, self.format, self.start_s, self.length_s, self.rate)
         if self.process == "burst" and self.count is None:
             raise ValueError("process 'burst' needs 'count' (arrivals at the start)")
         if self.generation_share is not None and self.kind != "mixed":
@@ -328,6 +355,9 @@ class Workload(Strict):
                                 "in timed phases over duration_s (a mixed pool)")
     iter_retgen: IterRetGen = Field(default_factory=IterRetGen)
     trace: str | None = None
+    rate_scale: float = Field(default=1.0, gt=0, description="the open load scaled: every "
+                              "open-loop pool's rates times this, every trace pool's time "
+                              "compressed by it (closed loops are left as they are)")
 
     @field_validator("trace")
     @classmethod
@@ -335,7 +365,10 @@ class Workload(Strict):
         if v is None:
             return v
         path = resolve_path(v, info)
-        load_trace(path)  # every row is checked now: an error names the file and the row
+        fmt = trace_format(path)  # every row is checked now: an error names the file and line
+        if fmt != "orthrus":
+            raise ValueError(f"trace {path} ({fmt}) has no kind column: replay it as a pool "
+                             "(pools: [{kind: generation, process: trace, trace: ...}])")
         return str(path)
 
     @model_validator(mode="after")
@@ -478,7 +511,7 @@ class Scenario(Strict):
         if w.phases and w.phases[0].duration_s is not None and self.duration_s is None:
             self.duration_s = sum(p.duration_s for p in w.phases)
         counted = bool(w.phases) and w.phases[0].requests is not None
-        bursts_only = all(p.process == "burst" for p in w.default_pools())
+        bursts_only = all(p.process in ("burst", "trace") for p in w.default_pools())
         open_ended = w.kind != "trace" and not bursts_only and not counted
         if open_ended and self.duration_s is None and self.num_requests is None:
             raise ValueError("give duration_s or num_requests: the workload never ends by itself")
