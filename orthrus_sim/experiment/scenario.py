@@ -209,7 +209,8 @@ class Pool(Strict):
     (Iter-RetGen workflows, from the ``iter_retgen`` section). ``closed-loop``: ``clients``
     clients, each sending its next request ``think_time_s`` (exponential mean) after the last
     ended, started evenly over ``ramp_s``; ``poisson``/``gamma``: ``rate`` arrivals per second
-    (gamma with coefficient of variation ``cv``); ``burst``: ``count`` arrivals at the start;
+    (gamma with coefficient of variation ``cv``); ``mmpp``, ``diurnal``: bursty open loops
+    (``orthrus_sim.experiment.arrivals``); ``burst``: ``count`` arrivals at the start;
     ``trace``: the requests of a trace file (``trace``, ``format``) in the window ``start_s``,
     ``length_s``, their time scaled to a mean of ``rate`` per second where it is given: a
     kindless trace (every public format) is one kind's stream, and two such pools, one per
@@ -217,12 +218,26 @@ class Pool(Strict):
     """
 
     kind: Literal["embedding", "generation", "mixed", "workflow"] = "mixed"
-    process: Literal["closed-loop", "poisson", "gamma", "burst", "trace"] = "closed-loop"
+    process: Literal["closed-loop", "poisson", "gamma", "burst", "trace", "mmpp",
+                     "diurnal"] = "closed-loop"
     clients: int = Field(default=64, ge=1)
     think_time_s: float = Field(default=0.0, ge=0)
     ramp_s: float = Field(default=0.0, ge=0)
-    rate: float | None = Field(default=None, gt=0)
+    rate: float | None = Field(default=None, gt=0, description="open loop: arrivals per second "
+                               "(mmpp: in the on state; diurnal: the curve's mean; trace: the "
+                               "window's mean, reached by scaling its time)")
     cv: float = Field(default=1.0, gt=0)
+    off_rate: float = Field(default=0.0, ge=0, description="mmpp: arrivals per second when off")
+    on_s: float | None = Field(default=None, gt=0, description="mmpp: mean on duration (s)")
+    off_s: float | None = Field(default=None, gt=0, description="mmpp: mean off duration (s)")
+    correlate: str | None = Field(default=None, description="mmpp: pools naming the same group "
+                                  "share one on/off sequence (default: a sequence of its own)")
+    period_s: float | None = Field(default=None, gt=0, description="diurnal: the curve's period")
+    amplitude: float = Field(default=0.5, ge=0, le=1, description="diurnal sine: relative swing")
+    phase_s: float = Field(default=0.0, description="diurnal: the curve shifted by this")
+    profile: list[float] | None = Field(default=None, min_length=1, description="diurnal: "
+                                        "piecewise levels over equal slices of the period "
+                                        "(relative; scaled to mean 'rate'), instead of the sine")
     count: int | None = Field(default=None, ge=1, description="burst: arrivals at the start")
     trace: str | None = Field(default=None, description="process trace: the file replayed "
                               "(orthrus_sim/experiment/trace.py: the formats)")
@@ -248,8 +263,14 @@ class Pool(Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.process in ("poisson", "gamma") and self.rate is None:
+        if self.process in ("poisson", "gamma", "mmpp", "diurnal") and self.rate is None:
             raise ValueError(f"process {self.process!r} needs 'rate' (arrivals per second)")
+        if self.process == "mmpp" and (self.on_s is None or self.off_s is None):
+            raise ValueError("process 'mmpp' needs on_s and off_s (mean seconds on and off)")
+        if self.process == "diurnal" and self.period_s is None:
+            raise ValueError("process 'diurnal' needs period_s (the curve's period)")
+        if self.profile is not None and (min(self.profile) < 0 or sum(self.profile) <= 0):
+            raise ValueError("profile: levels must be >= 0, not all 0")
         if (self.process == "trace") != (self.trace is not None):
             raise ValueError("process 'trace' and 'trace: path/to/file' go together")
         if self.process == "trace":
@@ -397,6 +418,12 @@ class Workload(Strict):
         if twice:
             raise ValueError(f"pools: stream {twice[0]!r} names two pools (each pool's requests "
                              "need a stream of their own)")
+        groups: dict[str, tuple] = {}
+        for pool in self.pools + [p for ph in self.phases for p in ph.pools]:
+            if pool.correlate and groups.setdefault(pool.correlate, (pool.on_s, pool.off_s)) \
+                    != (pool.on_s, pool.off_s):
+                raise ValueError(f"pools: correlate group {pool.correlate!r} shares one on/off "
+                                 "sequence: give its pools the same on_s and off_s")
         by_time = [p.duration_s is not None for p in self.phases]
         if any(by_time) and not all(by_time):
             raise ValueError("phases: give every phase a duration_s, or every phase a requests count")

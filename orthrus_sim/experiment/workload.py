@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from orthrus_sim.engine.request import RequestKind
+from orthrus_sim.experiment.arrivals import Modulation, arrival_times
 from orthrus_sim.experiment.scenario import Pool, Scenario, pool_stream
 from orthrus_sim.experiment.trace import load_trace, window
 
@@ -256,16 +257,6 @@ class WorkflowRecord:
     failed: str | None = None  # why it stopped early (a step was rejected)
 
 
-def interarrival(pool: Pool, rng: np.random.Generator, scale: float = 1.0) -> float:
-    """Seconds to the next open-loop arrival: exponential (Poisson) or gamma with the pool's
-    CV, at the pool's rate times ``scale``."""
-    rate = pool.rate * scale
-    if pool.process == "poisson":
-        return float(rng.exponential(1.0 / rate))
-    shape = 1.0 / pool.cv**2
-    return float(rng.gamma(shape, 1.0 / (rate * shape)))
-
-
 class Workload:
     """The scenario's sources of load, sharing one clock and the units-of-work count.
 
@@ -431,9 +422,13 @@ class Workload:
         name = f"p{tag}o"
         rng = np.random.default_rng([self.seed, 3, mix(*map(ord, tag))])
         seed = self._client_seed(name)
-        t = start
-        for n in itertools.count():
-            t += interarrival(pool, rng, self.workload.rate_scale)
+        modulation = None
+        if pool.process == "mmpp":  # a correlated group's pools draw the same on/off sequence
+            group = pool.correlate or f"pool {tag}"
+            modulation = Modulation(pool.on_s, pool.off_s,
+                                    np.random.default_rng([self.seed, 6, mix(*map(ord, group))]))
+        times = arrival_times(pool, rng, start, self.workload.rate_scale, modulation)
+        for n, t in enumerate(times):
             yield WaitUntil(t)
             phase = self._start_unit(until)
             if phase is False:
