@@ -78,6 +78,9 @@ class ClusterSection(Strict):
         "maximises: normalised throughput, or normalised goodput (the kinds whose predicted "
         "latencies meet the slo section's bounds; then throughput)")
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    role_change_s: float = Field(default=60.0, ge=0, description="dedicated-replan: seconds a "
+                                 "GPU serves nothing while it changes role (embedding <-> "
+                                 "generation), after its requests in flight drained")
 
 
 class _SchedulerExtras(Strict):
@@ -450,7 +453,8 @@ class Workload(Strict):
 
 
 CONFIG_RE = re.compile(
-    r"^(orthrus|unified-hetero|unified-homo|dedicated-(\d+):(\d+)|disagg-pd-(\d+):(\d+)|unified:.+)$"
+    r"^(orthrus|unified-hetero|unified-homo|dedicated-(\d+):(\d+)|disagg-pd-(\d+):(\d+)|unified:.+"
+    r"|dedicated-replan)$"
 )
 
 
@@ -493,7 +497,8 @@ class Scenario(Strict):
                     f"{name}-1:3 or {name}-2:2 (GPUs for embeddings:generation, or prefill:decode)")
             if not CONFIG_RE.match(name):
                 raise ValueError(
-                    f"unknown configuration {name!r}; use dedicated-N:M, disagg-pd-P:D, "
+                    f"unknown configuration {name!r}; use dedicated-N:M, dedicated-replan, "
+                    "disagg-pd-P:D, "
                     "unified-homo, unified-hetero, orthrus, or unified:<policy name or module:Class>"
                 )
             if name.startswith("unified:"):
@@ -565,6 +570,7 @@ class Scenario(Strict):
 
 
 UNIFIED = ("orthrus", "unified-hetero", "unified-homo")
+REPLAN = "dedicated-replan"  # a dedicated split whose GPUs change role as the demand moves
 
 
 def is_unified(configuration: str) -> bool:
@@ -574,8 +580,11 @@ def is_unified(configuration: str) -> bool:
 
 def split_gpus(name: str, gpus: int) -> tuple[int, int] | None:
     """GPUs of the two pools of a split configuration (embedding:generation for dedicated,
-    prefill:decode for disagg-pd); None for unified ones."""
+    prefill:decode for disagg-pd); None for unified ones and ``dedicated-replan`` (whose split
+    the simulator's planner picks and changes)."""
     m = CONFIG_RE.match(name)
+    if name == REPLAN:
+        return None
     if name.startswith("dedicated"):
         a, b = int(m.group(2)), int(m.group(3))
     elif name.startswith("disagg-pd"):
