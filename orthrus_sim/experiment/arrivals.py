@@ -18,11 +18,16 @@ from typing import Any
 
 import numpy as np
 
+from orthrus_sim.experiment.trace import window
+
 
 def mean_rate(pool: Any) -> float:
-    """The long-run arrivals per second of an open-loop pool (before ``rate_scale``)."""
+    """The long-run arrivals per second of an open-loop or trace pool (before
+    ``rate_scale``)."""
     if pool.process == "mmpp":
         return (pool.rate * pool.on_s + pool.off_rate * pool.off_s) / (pool.on_s + pool.off_s)
+    if pool.process == "trace":
+        return window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate).rate
     return pool.rate
 
 

@@ -36,13 +36,13 @@ class SplitPlanner(PlacementPlanner):
         return [Assignment(k) for k in range(1, self.replicas)]
 
 
-def _trace_means(pool: Any) -> tuple[float, float, float]:
+def _trace_lengths(pool: Any) -> tuple[float, float]:
+    """Mean input and output tokens of a trace pool's window."""
     from orthrus_sim.experiment.trace import window
 
-    w = window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate)
-    n = len(w.rows)
-    return (w.rate, sum(r["input_tokens"] for r in w.rows) / n,
-            sum(r["output_tokens"] for r in w.rows) / n)
+    rows = window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate).rows
+    return (sum(r["input_tokens"] for r in rows) / len(rows),
+            sum(r["output_tokens"] for r in rows) / len(rows))
 
 
 def nominal_demand(scenario: Any) -> Demand:
@@ -69,17 +69,13 @@ def nominal_demand(scenario: Any) -> Demand:
             for kind, f in split.items():
                 clients[kind] += pool.clients * f
             continue
+        rate = 0.0 if pool.process == "burst" else mean_rate(pool) * w.rate_scale
         if pool.process == "trace":
-            rate, n_in, n_out = _trace_means(pool)
-            rate *= w.rate_scale
+            n_in, n_out = _trace_lengths(pool)
             if pool.kind == "generation":
                 lengths["prompt"], lengths["output"] = n_in, n_out
             elif pool.kind == "embedding":
                 lengths["embedding"] = n_in
-        elif pool.process == "burst":
-            rate = 0.0
-        else:
-            rate = mean_rate(pool) * w.rate_scale
         for kind, f in split.items():
             rps[kind] += rate * f
     closed = any(clients.values())
