@@ -62,6 +62,10 @@ class EmbeddingSection(Strict):
     pooling: Literal["mean", "weighted-mean", "cls", "last"] = "mean"
     bidirectional: bool = Field(default=False, description="a bidirectional embedder cannot be chunked")
     model: str | None = Field(default=None, description="dedicated embedding model (default: the base)")
+    max_input_tokens: int | None = Field(default=None, ge=1, description="the longest input the "
+                                         "embedder takes (e5-mistral: 4096); a trace's longer "
+                                         "embedding inputs are cut to it (default: the model's "
+                                         "positions)")
 
 
 class ClusterSection(Strict):

@@ -478,12 +478,13 @@ class Workload:
 
     def embedding_limit(self) -> int:
         """The longest embedding input the embedding model takes (its positions, or
-        ``scheduler.max_model_len`` where shorter): a trace's longer inputs are cut to it."""
+        ``scheduler.max_model_len`` or ``embedding.max_input_tokens`` where shorter): a trace's
+        longer inputs are cut to it."""
         from orthrus_sim.costmodel import get_model
 
         s = self.scenario
         limit = get_model(s.embedding.model or s.model).max_position_embeddings
-        return min(limit, s.scheduler.max_model_len or limit)
+        return min(limit, s.scheduler.max_model_len or limit, s.embedding.max_input_tokens or limit)
 
     def _trace_pool(self, pool: Pool, tag: str, start: float, until: float | None) -> Client:
         name = f"p{tag}t"

@@ -88,7 +88,8 @@ class Cluster:
             rep.change_role(role, policy(plan, model), model, pause,
                             lambda r: self.router.ready(r, self.env.now))
 
-        self.router = ReplanningSplit(self.replicas, planner, switch, closed_loop(scenario))
+        self.router = ReplanningSplit(self.replicas, planner, switch, closed_loop(scenario),
+                                      pause)
 
     def submit(self, request: Request) -> None:
         replica = self.router.route(request)
