@@ -11,7 +11,13 @@ from typer.testing import CliRunner
 from orthrus_sim.cli import app
 from orthrus_sim.experiment.scenario import parse_scenario
 from orthrus_sim.experiment.slo import worst_stretch
-from orthrus_sim.questions.capacity import family, meets, open_loop_load, scaled_scenario
+from orthrus_sim.questions.capacity import (
+    family,
+    family_members,
+    meets,
+    open_loop_load,
+    scaled_scenario,
+)
 
 runner = CliRunner()
 
@@ -49,6 +55,8 @@ def test_moving_load_is_scaled_as_a_whole_and_judged_on_its_worst_stretch(tmp_pa
     sc = parse_scenario(raw, base_dir=tmp_path)
     load = open_loop_load(sc)
     assert load.moving and family("dedicated-replan") == "dedicated-replan"
+    starts = family("dedicated-replan-1:2")  # a re-planning split from every start
+    assert family_members(starts, 3, load.rates) == ["dedicated-replan-1:2", "dedicated-replan-2:1"]
     assert abs(load.rates["embedding"] - 4.0) < 0.01  # 2,400 over 599.75 s
     data = scaled_scenario(sc.model_dump(mode="json"), load,
                            {"embedding": 1.5, "generation": 1.5}, "orthrus", 3)

@@ -62,3 +62,15 @@ def test_initial_split_from_the_nominal_demand():
     assert roles.count("embedding") >= 1 and roles.count("generation") >= 1
     with pytest.raises(ValueError, match="unknown configuration 'dedicated-replan-2'"):
         parse_scenario(raw | {"configurations": ["dedicated-replan-2"]})
+
+
+def test_a_named_start_is_where_the_split_begins():
+    raw = {"name": "r", "duration_s": 20, "cluster": {"gpus": 4},
+           "configurations": ["dedicated-replan-3:1"],
+           "workload": {"pools": [{"kind": "embedding", "process": "poisson", "rate": 5.0},
+                                  {"kind": "generation", "process": "poisson", "rate": 1.0}]}}
+    result = simulate(parse_scenario(raw), "dedicated-replan-3:1")
+    roles = [g["role"] for g in result.metrics["utilization"]["per_gpu"]]
+    assert roles == ["embedding"] * 3 + ["generation"]
+    with pytest.raises(ValueError, match="'dedicated-replan-3:2' uses 5 GPUs but cluster.gpus is 4"):
+        parse_scenario(raw | {"configurations": ["dedicated-replan-3:2"]})

@@ -25,7 +25,7 @@ from orthrus_sim.costmodel import (
 from orthrus_sim.costmodel.factors import apply_factors
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.registry import resolve_policy
-from orthrus_sim.experiment.scenario import REPLAN, UNIFIED, Scenario, is_unified, split_gpus
+from orthrus_sim.experiment.scenario import UNIFIED, Scenario, is_replan, is_unified, split_gpus
 
 
 @dataclass(frozen=True)
@@ -109,9 +109,9 @@ def plan_configuration(scenario: Scenario, name: str) -> list[ReplicaPlan]:
         cfg = config(base, lora, sch.token_budget, sch.chunk_size, sch.tpot_target_s)
         return [ReplicaPlan("unified", policy, cfg, base, lora) for _ in range(gpus)]
     gen_budget = sch.generation_token_budget or sch.token_budget
-    if name == REPLAN:
-        raise ValueError(f"configuration {REPLAN}: its split is picked and changed by the "
-                         "simulator's planner (sim/cluster.py); plan a split as dedicated-N:M")
+    if is_replan(name):
+        raise ValueError(f"configuration {name}: its split is changed by the simulator's "
+                         "planner as it runs (sim/cluster.py); plan a split as dedicated-N:M")
     first, second = split_gpus(name, gpus)
     if name.startswith("dedicated"):
         emb = ReplicaPlan("embedding", "embedding-only",

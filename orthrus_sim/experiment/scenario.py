@@ -458,7 +458,7 @@ class Workload(Strict):
 
 CONFIG_RE = re.compile(
     r"^(orthrus|unified-hetero|unified-homo|dedicated-(\d+):(\d+)|disagg-pd-(\d+):(\d+)|unified:.+"
-    r"|dedicated-replan)$"
+    r"|dedicated-replan(-(\d+):(\d+))?)$"
 )
 
 
@@ -501,7 +501,7 @@ class Scenario(Strict):
                     f"{name}-1:3 or {name}-2:2 (GPUs for embeddings:generation, or prefill:decode)")
             if not CONFIG_RE.match(name):
                 raise ValueError(
-                    f"unknown configuration {name!r}; use dedicated-N:M, dedicated-replan, "
+                    f"unknown configuration {name!r}; use dedicated-N:M, dedicated-replan[-N:M], "
                     "disagg-pd-P:D, "
                     "unified-homo, unified-hetero, orthrus, or unified:<policy name or module:Class>"
                 )
@@ -577,6 +577,11 @@ UNIFIED = ("orthrus", "unified-hetero", "unified-homo")
 REPLAN = "dedicated-replan"  # a dedicated split whose GPUs change role as the demand moves
 
 
+def is_replan(configuration: str) -> bool:
+    """``dedicated-replan``, from the planner's split or a given one (``dedicated-replan-E:G``)."""
+    return configuration == REPLAN or configuration.startswith(REPLAN + "-")
+
+
 def is_unified(configuration: str) -> bool:
     """A configuration whose every GPU serves both kinds (``unified:<policy>`` included)."""
     return configuration in UNIFIED or configuration.startswith("unified:")
@@ -584,12 +589,14 @@ def is_unified(configuration: str) -> bool:
 
 def split_gpus(name: str, gpus: int) -> tuple[int, int] | None:
     """GPUs of the two pools of a split configuration (embedding:generation for dedicated,
-    prefill:decode for disagg-pd); None for unified ones and ``dedicated-replan`` (whose split
-    the simulator's planner picks and changes)."""
+    prefill:decode for disagg-pd; the split ``dedicated-replan-E:G`` starts from); None for
+    unified ones and ``dedicated-replan`` (whose split the simulator's planner picks)."""
     m = CONFIG_RE.match(name)
     if name == REPLAN:
         return None
-    if name.startswith("dedicated"):
+    if is_replan(name):
+        a, b = int(m.group(7)), int(m.group(8))
+    elif name.startswith("dedicated"):
         a, b = int(m.group(2)), int(m.group(3))
     elif name.startswith("disagg-pd"):
         a, b = int(m.group(4)), int(m.group(5))

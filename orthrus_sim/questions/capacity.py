@@ -31,7 +31,7 @@ from rich.console import Console
 
 from orthrus_sim.experiment.arrivals import mean_rate
 from orthrus_sim.experiment.results import KINDS, results_doc, write_json
-from orthrus_sim.experiment.scenario import REPLAN, Scenario, scenario_dump
+from orthrus_sim.experiment.scenario import REPLAN, Scenario, is_replan, scenario_dump
 from orthrus_sim.questions.sweep import Point, point_runner
 
 SCHEMA = "orthrus.capacity/1"
@@ -316,10 +316,11 @@ def _bracket_text(b: Bracket, total: float) -> str:
 
 # ----- the GPU search -----------------------------------------------------------------------
 def family(configuration: str) -> str:
-    """What the GPU search varies: a split configuration stands for every split (the
-    re-planning split picks its own)."""
-    if configuration == REPLAN:
-        return configuration
+    """What the GPU search varies: a split configuration stands for every split; a
+    re-planning split from a given start for every start (``dedicated-replan`` alone picks its
+    own)."""
+    if is_replan(configuration):
+        return REPLAN if configuration == REPLAN else REPLAN + "-start"
     for name in ("dedicated", "disagg-pd"):
         if configuration.startswith(name + "-"):
             return name
@@ -329,6 +330,9 @@ def family(configuration: str) -> str:
 def family_members(name: str, gpus: int, demand: dict[str, float]) -> list[str]:
     """The configurations of a family on ``gpus`` GPUs (a dedicated pool may be empty only
     when its kind is not asked for; Disagg-PD needs a prefill and a decode GPU)."""
+    if name == REPLAN + "-start":  # a re-planning split from each start a frozen one takes
+        return [f"{REPLAN}-{c.removeprefix('dedicated-')}"
+                for c in family_members("dedicated", gpus, demand)]
     if name not in ("dedicated", "disagg-pd"):
         return [name]
     if name == "disagg-pd":

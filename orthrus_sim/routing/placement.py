@@ -91,6 +91,10 @@ class DemandWindow:
         self._since: float | None = None  # the first arrival observed
         self.span = window_s  # the time the last demand's rates were counted over
 
+    def observed_s(self, now: float) -> float:
+        """Seconds since the first arrival observed (0 before it)."""
+        return 0.0 if self._since is None else now - self._since
+
     def observe(self, request: Any) -> None:
         now = request.arrival_time
         if self._since is None:

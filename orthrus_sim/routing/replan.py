@@ -181,8 +181,13 @@ class ReplanningSplit(_Booked):
                                 "embedding_rps": demand.embedding_rps,
                                 "decoding": current.decoding, "riders": False,
                                 "capped": False, "changing": len(self.changing)})
-        if plan.assignment == current or self.changing:
-            self._pending_since = None  # nothing better, or a change is under way
+        if plan.assignment == current or self.changing or (
+                not demand.closed_loop and self.window.observed_s(now) < self.window_s):
+            # nothing better, a change under way, or (open load) less than a window observed:
+            # the start's split is the planner's for the nominal demand, and the first seconds'
+            # counts moved it (traces_merged on 4 GPUs: a move at 83 s of a 120 s window, its
+            # first 5 minutes meeting 87 % of embeddings)
+            self._pending_since = None
             return
         if self._pending_since is None:
             self._pending_since = now

@@ -11,7 +11,7 @@ from orthrus_sim.costmodel import CostModelPredictor, get_hardware, get_model
 from orthrus_sim.engine.registry import make_policy
 from orthrus_sim.engine.request import Request, RequestState
 from orthrus_sim.experiment.plan import cost_factors, dedicated_plans, plan_configuration, replica_cost
-from orthrus_sim.experiment.scenario import REPLAN, Scenario
+from orthrus_sim.experiment.scenario import Scenario, is_replan, split_gpus
 from orthrus_sim.routing.replan import ReplanningSplit, initial_split, split_planner
 from orthrus_sim.routing.rules import RouterRule, closed_loop
 from orthrus_sim.sim.replica import Replica
@@ -54,7 +54,7 @@ class Cluster:
             return Replica(env, i, plan.role, policy(plan, model), model, self._on_leave,
                            fast_forward, factors)
 
-        if name == REPLAN:
+        if is_replan(name):
             self._replanning(scenario, cost, policy, replica)
         else:
             self.plans = plan_configuration(scenario, name)
@@ -69,15 +69,17 @@ class Cluster:
         self.kv_transfer_s = 0.0
 
     def _replanning(self, scenario: Scenario, cost, policy, replica) -> None:
-        """``dedicated-replan``: the split the planner picks for the nominal demand, routed by
-        the re-planning split, each role change priced by ``cluster.role_change_s``."""
+        """``dedicated-replan``: from the split the planner picks for the nominal demand (or
+        the one named, ``dedicated-replan-E:G``), routed by the re-planning split, each role
+        change priced by ``cluster.role_change_s``."""
         gpus = scenario.cluster.gpus
         roles = dict(zip(("embedding", "generation"), dedicated_plans(scenario)))
         gen = roles["generation"]
         model = cost(gen)
         reference = SimpleNamespace(index=0, cost=model, policy=policy(gen, model))
         planner = split_planner(reference, gpus, scenario)
-        k = initial_split(planner, scenario)
+        given = split_gpus(self.name, gpus)
+        k = given[1] if given else initial_split(planner, scenario)
         self.plans = [roles["embedding"]] * (gpus - k) + [gen] * k
         self.replicas = [replica(i, plan) for i, plan in enumerate(self.plans)]
         pause = scenario.cluster.role_change_s
