@@ -257,6 +257,16 @@ class WorkflowRecord:
     failed: str | None = None  # why it stopped early (a step was rejected)
 
 
+def embedding_limit(s: Scenario) -> int:
+    """The longest embedding input the embedding model takes (its positions, or
+    ``scheduler.max_model_len`` or ``embedding.max_input_tokens`` where shorter): a trace's
+    longer inputs are cut to it."""
+    from orthrus_sim.costmodel import get_model
+
+    limit = get_model(s.embedding.model or s.model).max_position_embeddings
+    return min(limit, s.scheduler.max_model_len or limit, s.embedding.max_input_tokens or limit)
+
+
 class Workload:
     """The scenario's sources of load, sharing one clock and the units-of-work count.
 
@@ -476,16 +486,6 @@ class Workload:
                               row["output_tokens"], rid, client, phase, t)
             yield Send(spec, wait=False)
 
-    def embedding_limit(self) -> int:
-        """The longest embedding input the embedding model takes (its positions, or
-        ``scheduler.max_model_len`` or ``embedding.max_input_tokens`` where shorter): a trace's
-        longer inputs are cut to it."""
-        from orthrus_sim.costmodel import get_model
-
-        s = self.scenario
-        limit = get_model(s.embedding.model or s.model).max_position_embeddings
-        return min(limit, s.scheduler.max_model_len or limit, s.embedding.max_input_tokens or limit)
-
     def _trace_pool(self, pool: Pool, tag: str, start: float, until: float | None) -> Client:
         name = f"p{tag}t"
         w = window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate,
@@ -497,7 +497,7 @@ class Workload:
             f"{w.start_s:g} to {w.start_s + w.length_s:g}), time compressed x{w.speedup:.3g}: "
             f"{w.rate:.3g} requests/s" + (f" as {kind}s" if kind else ""))
         if kind != "generation":
-            limit = self.embedding_limit()
+            limit = embedding_limit(self.scenario)
             rows = [dict(r, input_tokens=limit) if (kind or r["kind"]) == "embedding"
                     and r["input_tokens"] > limit else r for r in rows]
             cut = sum(a is not b for a, b in zip(rows, w.rows))

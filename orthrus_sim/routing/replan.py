@@ -37,12 +37,14 @@ class SplitPlanner(PlacementPlanner):
         return [Assignment(k) for k in range(1, self.replicas)]
 
 
-def _trace_lengths(pool: Any) -> tuple[float, float]:
-    """Mean input and output tokens of a trace pool's window."""
+def _trace_lengths(pool: Any, limit: int) -> tuple[float, float]:
+    """Mean input (an embedding's cut to ``limit``) and output tokens of a trace pool's
+    window."""
     from orthrus_sim.experiment.trace import window
 
     rows = window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate).rows
-    return (sum(r["input_tokens"] for r in rows) / len(rows),
+    cut = limit if pool.kind == "embedding" else None
+    return (sum(min(r["input_tokens"], cut or r["input_tokens"]) for r in rows) / len(rows),
             sum(r["output_tokens"] for r in rows) / len(rows))
 
 
@@ -51,6 +53,7 @@ def nominal_demand(scenario: Any) -> Demand:
     (times ``workload.rate_scale``), closed loops' clients, per kind; the lengths' means. The
     first phase's pools and mix stand for the phases (the split is for the start)."""
     from orthrus_sim.experiment.arrivals import mean_rate
+    from orthrus_sim.experiment.workload import embedding_limit
 
     w = scenario.workload
     first = w.phases[0] if w.phases else None
@@ -72,7 +75,7 @@ def nominal_demand(scenario: Any) -> Demand:
             continue
         rate = 0.0 if pool.process == "burst" else mean_rate(pool) * w.rate_scale
         if pool.process == "trace":
-            n_in, n_out = _trace_lengths(pool)
+            n_in, n_out = _trace_lengths(pool, embedding_limit(scenario))
             if pool.kind == "generation":
                 lengths["prompt"], lengths["output"] = n_in, n_out
             elif pool.kind == "embedding":
