@@ -204,6 +204,7 @@ class Evaluator:
                 "attainment": {k: m["slo"][k]["attainment"] for k in KINDS},
                 "worst_stretch": {k: (m["slo"][k].get("worst_stretch") or {}).get("attainment")
                                   for k in KINDS},
+                "within": {k: m["slo"][k]["within"] for k in KINDS},  # which bound held
                 "goodput_rps": m["slo"]["combined"]["goodput_rps"],
                 "throughput_rps": m["throughput_rps"],
                 "passed": meets(m, self.load, self.required, self.stretch),
