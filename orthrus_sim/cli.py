@@ -139,6 +139,11 @@ def capacity(
     demand: str = typer.Option(None, "--demand", help="embedding=R,generation=R: requests/s the "
                                "GPU search must serve (default: the scenario's own rates)"),
     max_gpus: int = typer.Option(8, "--max-gpus", help="GPU search up to this many (0: skip it)"),
+    scale: float = typer.Option(None, "--scale", help="the GPU search serves the scenario's load "
+                                "times this (a trace or bursty load: its rate_scale)"),
+    stretch_attainment: float = typer.Option(
+        None, "--stretch-attainment", help="attainment every kind must also reach over its worst "
+        "5 minutes (default: 0.95 for a trace or bursty load, none for a stationary one)"),
     out: Path = typer.Option(Path("out/capacity"), "--out", help="capacity.json and capacity.png"),
     set_: list[str] = typer.Option([], "--set", help="override a field: section.key=value (YAML)"),
     max_parallel: int = typer.Option(0, "--max-parallel", "--workers",
@@ -160,7 +165,7 @@ def capacity(
         sc = load_scenario(scenario, set_)
         _calibration_warning(sc)
         run_capacity(sc, out, attainment, tolerance, _demand(demand), max_gpus,
-                     max_parallel or None, ray, console)
+                     max_parallel or None, ray, console, stretch_attainment, scale)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:

@@ -117,7 +117,7 @@ def test_validate_reads_traces(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({"name": "t", "workload": {"kind": "trace", "trace": "t.jsonl"}}))
     res = runner.invoke(sim_app, ["validate", str(path)])
-    assert res.exit_code == 2 and "t.jsonl, row 2: not valid JSON" in res.output
+    assert res.exit_code == 2 and "t.jsonl, line 2: not valid JSON" in res.output
 
 
 def test_the_readme_policy_example_runs_from_the_repository_root(tmp_path):

@@ -39,7 +39,7 @@ def test_trace_replay_issues_exactly_the_trace(tmp_path):
                                                    if r["kind"] == "generation"]
     csv_trace = tmp_path / "t.csv"
     csv_trace.write_text("arrival_time,kind,input_tokens,output_tokens\n0,video,5,1\n")
-    with pytest.raises(ValueError, match="t.csv, row 2: kind must be embedding or generation"):
+    with pytest.raises(ValueError, match="t.csv, line 2, column kind: must be embedding or generation"):
         simulate(parse_scenario(base(kind="trace", trace=str(csv_trace))), "orthrus")
 
 
@@ -182,7 +182,7 @@ def test_bare_split_names_are_refused():
 def test_trace_errors_name_file_and_row(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"arrival_time": 0, "kind": "embedding", "input_tokens": 5}\n{"arrival_time": 1,')
-    with pytest.raises(ValueError, match=r"bad.jsonl, row 2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: not valid JSON"):
         parse_scenario(base(kind="trace", trace=str(bad)) | {"duration_s": 1})
     empty = tmp_path / "empty.csv"
     empty.write_text("arrival_time,kind,input_tokens,output_tokens\n")
@@ -190,7 +190,7 @@ def test_trace_errors_name_file_and_row(tmp_path):
         parse_scenario(base(kind="trace", trace=str(empty)))
     neg = tmp_path / "neg.csv"
     neg.write_text("arrival_time,kind,input_tokens,output_tokens\n-1,embedding,5,\n")
-    with pytest.raises(ValueError, match=r"neg.csv, row 2: arrival_time must be a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"neg.csv, line 2, column arrival_time: must be a finite"):
         parse_scenario(base(kind="trace", trace=str(neg)))
 
 

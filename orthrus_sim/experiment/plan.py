@@ -25,7 +25,7 @@ from orthrus_sim.costmodel import (
 from orthrus_sim.costmodel.factors import apply_factors
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.registry import resolve_policy
-from orthrus_sim.experiment.scenario import UNIFIED, Scenario, is_unified, split_gpus
+from orthrus_sim.experiment.scenario import UNIFIED, Scenario, is_replan, is_unified, split_gpus
 
 
 @dataclass(frozen=True)
@@ -109,18 +109,28 @@ def plan_configuration(scenario: Scenario, name: str) -> list[ReplicaPlan]:
         cfg = config(base, lora, sch.token_budget, sch.chunk_size, sch.tpot_target_s)
         return [ReplicaPlan("unified", policy, cfg, base, lora) for _ in range(gpus)]
     gen_budget = sch.generation_token_budget or sch.token_budget
+    if is_replan(name):
+        raise ValueError(f"configuration {name}: its split is changed by the simulator's "
+                         "planner as it runs (sim/cluster.py); plan a split as dedicated-N:M")
     first, second = split_gpus(name, gpus)
     if name.startswith("dedicated"):
-        plans = [ReplicaPlan("embedding", "embedding-only",
-                             config(emb_model, None, sch.token_budget, None), emb_model, None)
-                 for _ in range(first)]
-        return plans + [ReplicaPlan("generation", "generation",
-                                    config(base, None, gen_budget, None), base, None)
-                        for _ in range(second)]
+        emb = ReplicaPlan("embedding", "embedding-only",
+                          config(emb_model, None, sch.token_budget, None), emb_model, None)
+        gen = ReplicaPlan("generation", "generation", config(base, None, gen_budget, None),
+                          base, None)
+        return [emb] * first + [gen] * second
     plans = [ReplicaPlan("prefill", "prefill-only", config(base, lora, sch.token_budget, None),
                          base, lora) for _ in range(first)]
     return plans + [ReplicaPlan("decode", "decode-only", config(base, None, gen_budget, None),
                                 base, None) for _ in range(second)]
+
+
+def dedicated_plans(scenario: Scenario) -> tuple[ReplicaPlan, ReplicaPlan]:
+    """A dedicated split's embedding replica and generation replica (what a ``dedicated-replan``
+    GPU runs in either role)."""
+    gpus = scenario.cluster.gpus
+    return (plan_configuration(scenario, f"dedicated-{gpus}:0")[0],
+            plan_configuration(scenario, f"dedicated-0:{gpus}")[0])
 
 
 def engine_plan(scenario: Scenario, configuration: str) -> tuple[str, SchedulerConfig]:

@@ -32,7 +32,7 @@ from orthrus_sim import read_structured, resolve_path
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.registry import resolve_policy
 from orthrus_sim.experiment.distributions import LengthDist, Uniform, fixed
-from orthrus_sim.experiment.trace import load_trace
+from orthrus_sim.experiment.trace import FORMAT_NAMES, trace_format, window
 
 
 def shipped_calibrations() -> dict[str, Path]:
@@ -62,6 +62,10 @@ class EmbeddingSection(Strict):
     pooling: Literal["mean", "weighted-mean", "cls", "last"] = "mean"
     bidirectional: bool = Field(default=False, description="a bidirectional embedder cannot be chunked")
     model: str | None = Field(default=None, description="dedicated embedding model (default: the base)")
+    max_input_tokens: int | None = Field(default=None, ge=1, description="the longest input the "
+                                         "embedder takes (e5-mistral: 4096); a trace's longer "
+                                         "embedding inputs are cut to it (default: the model's "
+                                         "positions)")
 
 
 class ClusterSection(Strict):
@@ -78,6 +82,9 @@ class ClusterSection(Strict):
         "maximises: normalised throughput, or normalised goodput (the kinds whose predicted "
         "latencies meet the slo section's bounds; then throughput)")
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    role_change_s: float = Field(default=60.0, ge=0, description="dedicated-replan: seconds a "
+                                 "GPU serves nothing while it changes role (embedding <-> "
+                                 "generation), after its requests in flight drained")
 
 
 class _SchedulerExtras(Strict):
@@ -209,17 +216,44 @@ class Pool(Strict):
     (Iter-RetGen workflows, from the ``iter_retgen`` section). ``closed-loop``: ``clients``
     clients, each sending its next request ``think_time_s`` (exponential mean) after the last
     ended, started evenly over ``ramp_s``; ``poisson``/``gamma``: ``rate`` arrivals per second
-    (gamma with coefficient of variation ``cv``); ``burst``: ``count`` arrivals at the start.
+    (gamma with coefficient of variation ``cv``); ``mmpp``, ``diurnal``: bursty open loops
+    (``orthrus_sim.experiment.arrivals``); ``burst``: ``count`` arrivals at the start;
+    ``trace``: the requests of a trace file (``trace``, ``format``) in the window ``start_s``,
+    ``length_s``, their time scaled to a mean of ``rate`` per second where it is given: a
+    kindless trace (every public format) is one kind's stream, and two such pools, one per
+    kind, merge into one mixed workload.
     """
 
     kind: Literal["embedding", "generation", "mixed", "workflow"] = "mixed"
-    process: Literal["closed-loop", "poisson", "gamma", "burst"] = "closed-loop"
+    process: Literal["closed-loop", "poisson", "gamma", "burst", "trace", "mmpp",
+                     "diurnal"] = "closed-loop"
     clients: int = Field(default=64, ge=1)
     think_time_s: float = Field(default=0.0, ge=0)
     ramp_s: float = Field(default=0.0, ge=0)
-    rate: float | None = Field(default=None, gt=0)
+    rate: float | None = Field(default=None, gt=0, description="open loop: arrivals per second "
+                               "(mmpp: in the on state; diurnal: the curve's mean; trace: the "
+                               "window's mean, reached by scaling its time)")
     cv: float = Field(default=1.0, gt=0)
+    off_rate: float = Field(default=0.0, ge=0, description="mmpp: arrivals per second when off")
+    on_s: float | None = Field(default=None, gt=0, description="mmpp: mean on duration (s)")
+    off_s: float | None = Field(default=None, gt=0, description="mmpp: mean off duration (s)")
+    correlate: str | None = Field(default=None, description="mmpp: pools naming the same group "
+                                  "share one on/off sequence (default: a sequence of its own)")
+    period_s: float | None = Field(default=None, gt=0, description="diurnal: the curve's period")
+    amplitude: float = Field(default=0.5, ge=0, le=1, description="diurnal sine: relative swing")
+    phase_s: float = Field(default=0.0, description="diurnal: the curve shifted by this")
+    profile: list[float] | None = Field(default=None, min_length=1, description="diurnal: "
+                                        "piecewise levels over equal slices of the period "
+                                        "(relative; scaled to mean 'rate'), instead of the sine")
     count: int | None = Field(default=None, ge=1, description="burst: arrivals at the start")
+    trace: str | None = Field(default=None, description="process trace: the file replayed "
+                              "(orthrus_sim/experiment/trace.py: the formats)")
+    format: Literal[FORMAT_NAMES] = Field(  # type: ignore[valid-type]
+        default="auto", description="trace: the file's format; auto: from its header")
+    start_s: float = Field(default=0.0, ge=0, description="trace: the window's start, in the "
+                           "trace's own seconds")
+    length_s: float | None = Field(default=None, gt=0, description="trace: the window's length "
+                                   "in the trace's seconds (default: to its end)")
     generation_share: float | None = Field(default=None, ge=0, le=1)
     stream: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9_.-]+$",
@@ -229,10 +263,31 @@ class Pool(Strict):
                     "with its old name: a dedicated server benched with one kind's pool "
                     "(bench --only) sends what that pool sends in the whole scenario")
 
+    @field_validator("trace")
+    @classmethod
+    def _trace_path(cls, v, info: ValidationInfo):
+        return v if v is None else str(resolve_path(v, info))
+
     @model_validator(mode="after")
     def _consistent(self):
-        if self.process in ("poisson", "gamma") and self.rate is None:
+        if self.process in ("poisson", "gamma", "mmpp", "diurnal") and self.rate is None:
             raise ValueError(f"process {self.process!r} needs 'rate' (arrivals per second)")
+        if self.process == "mmpp" and (self.on_s is None or self.off_s is None):
+            raise ValueError("process 'mmpp' needs on_s and off_s (mean seconds on and off)")
+        if self.process == "diurnal" and self.period_s is None:
+            raise ValueError("process 'diurnal' needs period_s (the curve's period)")
+        if self.profile is not None and (min(self.profile) < 0 or sum(self.profile) <= 0):
+            raise ValueError("profile: levels must be >= 0, not all 0")
+        if (self.process == "trace") != (self.trace is not None):
+            raise ValueError("process 'trace' and 'trace: path/to/file' go together")
+        if self.process == "trace":
+            fmt = trace_format(self.trace, self.format)  # every row checked now
+            if self.kind not in ("embedding", "generation") and fmt != "orthrus":
+                raise ValueError(f"trace {self.trace} ({fmt}) has no kind column: give the "
+                                 "pool kind embedding or generation (one kind's stream)")
+            if self.kind == "workflow":
+                raise ValueError("a trace pool replays requests, not workflows")
+            window(self.trace, self.format, self.start_s, self.length_s, self.rate)
         if self.process == "burst" and self.count is None:
             raise ValueError("process 'burst' needs 'count' (arrivals at the start)")
         if self.generation_share is not None and self.kind != "mixed":
@@ -328,6 +383,9 @@ class Workload(Strict):
                                 "in timed phases over duration_s (a mixed pool)")
     iter_retgen: IterRetGen = Field(default_factory=IterRetGen)
     trace: str | None = None
+    rate_scale: float = Field(default=1.0, gt=0, description="the open load scaled: every "
+                              "open-loop pool's rates times this, every trace pool's time "
+                              "compressed by it (closed loops are left as they are)")
 
     @field_validator("trace")
     @classmethod
@@ -335,7 +393,10 @@ class Workload(Strict):
         if v is None:
             return v
         path = resolve_path(v, info)
-        load_trace(path)  # every row is checked now: an error names the file and the row
+        fmt = trace_format(path)  # every row is checked now: an error names the file and line
+        if fmt != "orthrus":
+            raise ValueError(f"trace {path} ({fmt}) has no kind column: replay it as a pool "
+                             "(pools: [{kind: generation, process: trace, trace: ...}])")
         return str(path)
 
     @model_validator(mode="after")
@@ -364,6 +425,12 @@ class Workload(Strict):
         if twice:
             raise ValueError(f"pools: stream {twice[0]!r} names two pools (each pool's requests "
                              "need a stream of their own)")
+        groups: dict[str, tuple] = {}
+        for pool in self.pools + [p for ph in self.phases for p in ph.pools]:
+            if pool.correlate and groups.setdefault(pool.correlate, (pool.on_s, pool.off_s)) \
+                    != (pool.on_s, pool.off_s):
+                raise ValueError(f"pools: correlate group {pool.correlate!r} shares one on/off "
+                                 "sequence: give its pools the same on_s and off_s")
         by_time = [p.duration_s is not None for p in self.phases]
         if any(by_time) and not all(by_time):
             raise ValueError("phases: give every phase a duration_s, or every phase a requests count")
@@ -390,7 +457,8 @@ class Workload(Strict):
 
 
 CONFIG_RE = re.compile(
-    r"^(orthrus|unified-hetero|unified-homo|dedicated-(\d+):(\d+)|disagg-pd-(\d+):(\d+)|unified:.+)$"
+    r"^(orthrus|unified-hetero|unified-homo|dedicated-(\d+):(\d+)|disagg-pd-(\d+):(\d+)|unified:.+"
+    r"|dedicated-replan(-(\d+):(\d+))?)$"
 )
 
 
@@ -433,7 +501,8 @@ class Scenario(Strict):
                     f"{name}-1:3 or {name}-2:2 (GPUs for embeddings:generation, or prefill:decode)")
             if not CONFIG_RE.match(name):
                 raise ValueError(
-                    f"unknown configuration {name!r}; use dedicated-N:M, disagg-pd-P:D, "
+                    f"unknown configuration {name!r}; use dedicated-N:M, dedicated-replan[-N:M], "
+                    "disagg-pd-P:D, "
                     "unified-homo, unified-hetero, orthrus, or unified:<policy name or module:Class>"
                 )
             if name.startswith("unified:"):
@@ -478,7 +547,7 @@ class Scenario(Strict):
         if w.phases and w.phases[0].duration_s is not None and self.duration_s is None:
             self.duration_s = sum(p.duration_s for p in w.phases)
         counted = bool(w.phases) and w.phases[0].requests is not None
-        bursts_only = all(p.process == "burst" for p in w.default_pools())
+        bursts_only = all(p.process in ("burst", "trace") for p in w.default_pools())
         open_ended = w.kind != "trace" and not bursts_only and not counted
         if open_ended and self.duration_s is None and self.num_requests is None:
             raise ValueError("give duration_s or num_requests: the workload never ends by itself")
@@ -505,6 +574,12 @@ class Scenario(Strict):
 
 
 UNIFIED = ("orthrus", "unified-hetero", "unified-homo")
+REPLAN = "dedicated-replan"  # a dedicated split whose GPUs change role as the demand moves
+
+
+def is_replan(configuration: str) -> bool:
+    """``dedicated-replan``, from the planner's split or a given one (``dedicated-replan-E:G``)."""
+    return configuration == REPLAN or configuration.startswith(REPLAN + "-")
 
 
 def is_unified(configuration: str) -> bool:
@@ -514,9 +589,14 @@ def is_unified(configuration: str) -> bool:
 
 def split_gpus(name: str, gpus: int) -> tuple[int, int] | None:
     """GPUs of the two pools of a split configuration (embedding:generation for dedicated,
-    prefill:decode for disagg-pd); None for unified ones."""
+    prefill:decode for disagg-pd; the split ``dedicated-replan-E:G`` starts from); None for
+    unified ones and ``dedicated-replan`` (whose split the simulator's planner picks)."""
     m = CONFIG_RE.match(name)
-    if name.startswith("dedicated"):
+    if name == REPLAN:
+        return None
+    if is_replan(name):
+        a, b = int(m.group(7)), int(m.group(8))
+    elif name.startswith("dedicated"):
         a, b = int(m.group(2)), int(m.group(3))
     elif name.startswith("disagg-pd"):
         a, b = int(m.group(4)), int(m.group(5))

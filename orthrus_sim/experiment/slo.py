@@ -18,6 +18,9 @@ request misses.
   ``tpot_s``, or no bound) counts every arrival; one still in flight at the end counts as missed
   when a bound is already broken, else as ``undetermined`` (a warning past 1 %). A run to
   completion (no ``duration_s``) knows every fate: nothing is late.
+* **worst stretch**: per kind, the lowest attainment over any ``STRETCH_S`` (5 minutes) of
+  arrivals, slid a minute at a time over the window (the whole window where it is shorter): a
+  load that moves can meet its SLOs over an hour and miss them for the minutes of its peak.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
 
 KINDS = ("embedding", "generation")
 EPS = 1e-9
+STRETCH_S = 300.0  # the worst stretch's length
+STEP_S = 60.0  # and the step it slides by
 
 
 def request_tpot(req: Request) -> float | None:
@@ -101,6 +106,14 @@ class SloTally:
         self.good = dict.fromkeys(KINDS, 0)  # finished in the window and met: goodput
         self.finished = dict.fromkeys(KINDS, 0)  # arrived in the window and finished
         self.held = {k: dict.fromkeys(self.bounds[k], 0) for k in KINDS}
+        # per kind, per minute of arrival since the window's start: [met, counted]
+        self.minutes: dict[str, dict[int, list[int]]] = {k: {} for k in KINDS}
+
+    def _minute(self, req: Request, met: bool) -> None:
+        slot = self.minutes[req.kind.value].setdefault(
+            int((req.arrival_time - self.start) // STEP_S), [0, 0])
+        slot[0] += met
+        slot[1] += 1
 
     def _counted(self, req: Request, bounds: dict[str, float], end: float | None) -> bool:
         if end is None:
@@ -128,8 +141,10 @@ class SloTally:
             self.late[kind] += 1
         elif ok:
             self.met[kind] += 1
+            self._minute(req, True)
         else:
             self.missed[kind] += 1
+            self._minute(req, False)
 
     def close(self, outstanding: list[Request], end: float, window: float) -> dict:
         """The ``slo`` block of the metrics; ``outstanding``: requests in flight at ``end``."""
@@ -144,6 +159,7 @@ class SloTally:
                 late[kind] += 1
             elif deadline(req, bounds) is not None or broken(req, bounds, end):
                 missed[kind] += 1  # past its deadline (or a bound) and not finished
+                self._minute(req, False)
             else:
                 undetermined[kind] += 1
         out: dict = {"targets": {k: dict(self.bounds[k]) for k in KINDS}}
@@ -156,11 +172,32 @@ class SloTally:
                 "undetermined": undetermined[k],
                 "within": {n: (h / self.finished[k] if self.finished[k] else None)
                            for n, h in self.held[k].items()},
+                "worst_stretch": worst_stretch(self.minutes[k], self.start),
             }
         met, counted = sum(self.met.values()), sum(self.met.values()) + sum(missed.values())
         out["combined"] = {"attainment": met / counted if counted else None,
                            "goodput_rps": sum(self.good.values()) / window}
         return out
+
+
+def worst_stretch(minutes: dict[int, list[int]], start: float) -> dict | None:
+    """The lowest attainment over ``STRETCH_S`` of arrivals, slid ``STEP_S`` at a time
+    (``{attainment, start_s, counted}``; None: nothing counted)."""
+    if not minutes:
+        return None
+    span = round(STRETCH_S / STEP_S)
+    first, last = min(minutes), max(minutes)
+    worst = None
+    for m in range(first, max(first, last - span + 1) + 1):
+        met = counted = 0
+        for i in range(m, m + span):
+            slot = minutes.get(i)
+            if slot:
+                met, counted = met + slot[0], counted + slot[1]
+        if counted and (worst is None or met / counted < worst["attainment"]):
+            worst = {"attainment": met / counted, "start_s": start + m * STEP_S,
+                     "counted": counted}
+    return worst
 
 
 def slo_warnings(metrics: dict) -> list[str]:

@@ -27,8 +27,9 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from orthrus_sim.engine.request import RequestKind
+from orthrus_sim.experiment.arrivals import Modulation, arrival_times
 from orthrus_sim.experiment.scenario import Pool, Scenario, pool_stream
-from orthrus_sim.experiment.trace import load_trace
+from orthrus_sim.experiment.trace import load_trace, window
 
 EMB, GEN = RequestKind.EMBEDDING, RequestKind.GENERATION
 FIRST_TOKEN_ID = 4  # ids below are left to special tokens
@@ -256,12 +257,14 @@ class WorkflowRecord:
     failed: str | None = None  # why it stopped early (a step was rejected)
 
 
-def interarrival(pool: Pool, rng: np.random.Generator) -> float:
-    """Seconds to the next open-loop arrival: exponential (Poisson) or gamma with the pool's CV."""
-    if pool.process == "poisson":
-        return float(rng.exponential(1.0 / pool.rate))
-    shape = 1.0 / pool.cv**2
-    return float(rng.gamma(shape, 1.0 / (pool.rate * shape)))
+def embedding_limit(s: Scenario) -> int:
+    """The longest embedding input the embedding model takes (its positions, or
+    ``scheduler.max_model_len`` or ``embedding.max_input_tokens`` where shorter): a trace's
+    longer inputs are cut to it."""
+    from orthrus_sim.costmodel import get_model
+
+    limit = get_model(s.embedding.model or s.model).max_position_embeddings
+    return min(limit, s.scheduler.max_model_len or limit, s.embedding.max_input_tokens or limit)
 
 
 class Workload:
@@ -278,6 +281,7 @@ class Workload:
         self.units = 0  # requests or workflows started (num_requests and count phases)
         self.workflows: list[WorkflowRecord] = []
         self.warnings: list[str] = []
+        self.notes: list[str] = []  # how the load was made from its sources (a trace's scaling)
         self.specs: list[RequestSpec] | None = [] if keep_specs else None
         self._workflow_ids = itertools.count()
         w = self.workload
@@ -389,6 +393,8 @@ class Workload:
                     for c in range(pool.clients)]
         if pool.process == "burst":
             return [(f"p{tag}b", self._burst(pool, tag, start, until))]
+        if pool.process == "trace":
+            return [(f"p{tag}t", self._trace_pool(pool, tag, start, until))]
         return [(f"p{tag}o", self._open_loop(pool, tag, start, until))]
 
     def _closed_loop(self, pool: Pool, tag: str, client: int, start: float,
@@ -426,9 +432,13 @@ class Workload:
         name = f"p{tag}o"
         rng = np.random.default_rng([self.seed, 3, mix(*map(ord, tag))])
         seed = self._client_seed(name)
-        t = start
-        for n in itertools.count():
-            t += interarrival(pool, rng)
+        modulation = None
+        if pool.process == "mmpp":  # a correlated group's pools draw the same on/off sequence
+            group = pool.correlate or f"pool {tag}"
+            modulation = Modulation(pool.on_s, pool.off_s,
+                                    np.random.default_rng([self.seed, 6, mix(*map(ord, group))]))
+        times = arrival_times(pool, rng, start, self.workload.rate_scale, modulation)
+        for n, t in enumerate(times):
             yield WaitUntil(t)
             phase = self._start_unit(until)
             if phase is False:
@@ -457,17 +467,46 @@ class Workload:
         return self._request(pool, rng, name, seed, n, phase, intended)
 
     def _trace(self) -> Client:
-        for n, row in enumerate(load_trace(self.workload.trace)):
-            yield WaitUntil(row["arrival_time"])
-            phase = self._start_unit()
+        yield from self._replay(load_trace(self.workload.trace), "trace",
+                                lambda n: mix(self.seed, 5, n))
+
+    def _replay(self, rows, client: str, seed_of: Callable[[int], int], start: float = 0.0,
+                until: float | None = None, kind: str | None = None) -> Client:
+        """Send each row at ``start`` + its arrival time, without waiting for its answer: a
+        trace's requests (of ``kind``, or each row's own)."""
+        for n, row in enumerate(rows):
+            t = start + row["arrival_time"]
+            yield WaitUntil(t)
+            phase = self._start_unit(until)
             if phase is False:
                 return
-            kind = GEN if row["kind"] == "generation" else EMB
-            rid = f"{'e' if kind is EMB else 'g'}-trace-{n}"
-            tokens = Tokens.seeded(mix(self.seed, 5, n), row["input_tokens"])
-            spec = self._spec(kind, tokens, row["output_tokens"], rid, "trace", phase,
-                              row["arrival_time"])
+            k = GEN if (kind or row["kind"]) == "generation" else EMB
+            rid = f"{'e' if k is EMB else 'g'}-{client}-{n}"
+            spec = self._spec(k, Tokens.seeded(seed_of(n), row["input_tokens"]),
+                              row["output_tokens"], rid, client, phase, t)
             yield Send(spec, wait=False)
+
+    def _trace_pool(self, pool: Pool, tag: str, start: float, until: float | None) -> Client:
+        name = f"p{tag}t"
+        w = window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate,
+                   self.workload.rate_scale)
+        rows = w.rows
+        kind = None if pool.kind == "mixed" else pool.kind
+        self.notes.append(
+            f"pool {tag} replays {len(rows)} requests of {pool.trace} (trace seconds "
+            f"{w.start_s:g} to {w.start_s + w.length_s:g}), time compressed x{w.speedup:.3g}: "
+            f"{w.rate:.3g} requests/s" + (f" as {kind}s" if kind else ""))
+        if kind != "generation":
+            limit = embedding_limit(self.scenario)
+            rows = [dict(r, input_tokens=limit) if (kind or r["kind"]) == "embedding"
+                    and r["input_tokens"] > limit else r for r in rows]
+            cut = sum(a is not b for a, b in zip(rows, w.rows))
+            if cut:
+                self.warnings.append(
+                    f"pool {tag}: {cut} of {len(rows)} embedding inputs of {pool.trace} "
+                    f"cut to {limit} tokens (the embedding model's max length)")
+        seed = self._client_seed(name)
+        yield from self._replay(rows, name, lambda n: mix_on(seed, (n,)), start, until, kind)
 
     def _workflow(self, rng: np.random.Generator, client: str, n: int, phase: int | None) -> Client:
         """Iter-RetGen: embed(question + last answer), retrieve, generate(docs + question)."""

@@ -29,21 +29,28 @@ from pathlib import Path
 
 from rich.console import Console
 
+from orthrus_sim.experiment.arrivals import mean_rate
 from orthrus_sim.experiment.results import KINDS, results_doc, write_json
-from orthrus_sim.experiment.scenario import Scenario, scenario_dump
+from orthrus_sim.experiment.scenario import REPLAN, Scenario, is_replan, scenario_dump
 from orthrus_sim.questions.sweep import Point, point_runner
 
 SCHEMA = "orthrus.capacity/1"
 MAX_DOUBLINGS = 10  # the rate search gives up 2^10 x above or below the scenario's rate
 OPEN_LOOP = ("poisson", "gamma")
+MOVING = ("mmpp", "diurnal", "trace")  # loads that move: scaled as a whole (rate_scale)
+STRETCH_ATTAINMENT = 0.95  # a moving load's worst 5 minutes, by default
 
 
 @dataclass(frozen=True)
 class Load:
-    """The scenario's open-loop load: its pools (plain data) and the rate each kind gets."""
+    """The scenario's open-loop load: its pools (plain data) and the rate each kind gets (a
+    moving load's: its mean); ``moving``: a trace or bursty pool, scaled as a whole by
+    ``workload.rate_scale`` (its kinds keep their ratio)."""
 
     pools: tuple[dict, ...]
     rates: dict[str, float]
+    moving: bool = False
+    rate_scale: float = 1.0
 
     @property
     def total(self) -> float:
@@ -61,16 +68,18 @@ def open_loop_load(sc: Scenario) -> Load:
     pools = w.default_pools()
     rates = dict.fromkeys(KINDS, 0.0)
     for i, pool in enumerate(pools):
-        if pool.process not in OPEN_LOOP:
+        if pool.process not in OPEN_LOOP + MOVING:
             raise ValueError(f"capacity: workload pool {i} is {pool.process!r}: the search varies "
-                             "an offered rate, so every pool must be open loop (poisson or gamma "
-                             "with a rate; see scenarios/capacity_mix.yaml)")
+                             "an offered rate, so every pool must be open loop (poisson, gamma, "
+                             "mmpp or diurnal with a rate, or a trace; see "
+                             "scenarios/capacity_mix.yaml, scenarios/traces_merged.yaml)")
+        rate = mean_rate(pool) * w.rate_scale
         if pool.kind == "mixed":
             share = w.generation_share if pool.generation_share is None else pool.generation_share
-            rates["generation"] += pool.rate * share
-            rates["embedding"] += pool.rate * (1 - share)
+            rates["generation"] += rate * share
+            rates["embedding"] += rate * (1 - share)
         else:
-            rates[pool.kind] += pool.rate
+            rates[pool.kind] += rate
     if sc.slo is None:
         raise ValueError("capacity: the scenario has no slo section (ttft_s, tpot_s, e2e_s, "
                          "latency_s): there is nothing to meet")
@@ -79,13 +88,16 @@ def open_loop_load(sc: Scenario) -> Load:
             need = "latency_s" if kind == "embedding" else "ttft_s, tpot_s or e2e_s"
             raise ValueError(f"capacity: the mix sends {kind} requests but slo gives no bound for "
                              f"them (give {need})")
-    return Load(tuple(p.model_dump(mode="json") for p in pools), rates)
+    moving = any(p.process in MOVING for p in pools)
+    return Load(tuple(p.model_dump(mode="json") for p in pools), rates, moving, w.rate_scale)
 
 
 def scaled_scenario(data: dict, load: Load, factors: dict[str, float], configuration: str,
                     gpus: int) -> dict:
     """The scenario (plain data) with each kind's rate scaled by ``factors``, on ``gpus`` GPUs,
     running ``configuration`` only."""
+    if load.moving:
+        return _scaled_moving(data, load, factors, configuration, gpus)
     pools = []
     for pool in load.pools:
         kinds = KINDS if pool["kind"] == "mixed" else (pool["kind"],)
@@ -105,18 +117,37 @@ def scaled_scenario(data: dict, load: Load, factors: dict[str, float], configura
     return out
 
 
-def meets(metrics: dict, load: Load, required: float) -> bool:
-    """Every kind the load sends reaches ``required`` attainment (a kind none of whose
-    requests arrived in the window has nothing to miss)."""
+def _scaled_moving(data: dict, load: Load, factors: dict[str, float], configuration: str,
+                   gpus: int) -> dict:
+    """A moving load scaled as a whole: its ``rate_scale`` times the one factor."""
+    f = {factors[k] for k in KINDS if load.rates[k] > 0}
+    if len(f) > 1:
+        raise ValueError("capacity: a trace or bursty load is scaled as a whole (its kinds keep "
+                         "their ratio); ask for one scale (--scale), not a demand per kind")
+    out = copy.deepcopy(data)
+    out["workload"]["rate_scale"] = load.rate_scale * f.pop()
+    out["cluster"]["gpus"] = gpus
+    out["configurations"] = [configuration]
+    return out
+
+
+def meets(metrics: dict, load: Load, required: float, stretch: float | None = None) -> bool:
+    """Every kind the load sends reaches ``required`` attainment over the window, and
+    ``stretch`` over its worst 5 minutes where given (a kind none of whose requests arrived
+    in the window has nothing to miss)."""
     for kind, rate in load.rates.items():
         if rate <= 0:
             continue
-        attained = metrics["slo"][kind]["attainment"]
+        slo = metrics["slo"][kind]
+        attained = slo["attainment"]
         if attained is None:
             if metrics["arrived_in_window"].get(kind, 0):
                 return False  # arrived, none judged: nothing finished by its deadline
             continue
         if attained < required - 1e-12:
+            return False
+        worst = slo.get("worst_stretch")
+        if stretch is not None and worst and worst["attainment"] < stretch - 1e-12:
             return False
     return True
 
@@ -129,10 +160,12 @@ class Evaluator:
     """Simulates (configuration, GPUs, rate factors) points through a sweep backend, each once."""
 
     def __init__(self, scenario: Scenario, load: Load, required: float,
-                 run_points: Callable[[list[Point]], Iterable], console: Console) -> None:
+                 run_points: Callable[[list[Point]], Iterable], console: Console,
+                 stretch: float | None = None) -> None:
         self.data = scenario_dump(scenario)
         self.load = load
         self.required = required
+        self.stretch = stretch
         self.run_points = run_points
         self.console = console
         self.done: dict[Key, dict] = {}
@@ -151,7 +184,11 @@ class Evaluator:
                     "embedding_rps": f"{fe * self.load.rates['embedding']:.6g}",
                     "generation_rps": f"{fg * self.load.rates['generation']:.6g}"}
             points[name] = (Point(name, over, data), key)
-        for outcome in self.run_points([p for p, _ in points.values()]):
+        status = self.console.status(f"simulating {len(points)} points "
+                                     f"({len(self.done)} done)")
+        with status:
+            outcomes = list(self.run_points([p for p, _ in points.values()]))
+        for outcome in outcomes:
             _, key = points[outcome.point.name]
             if outcome.error is not None:
                 raise ValueError(f"capacity: {key[0]} on {key[1]} GPUs at "
@@ -165,9 +202,13 @@ class Evaluator:
         return {"configuration": cfg, "gpus": gpus, "offered_rps": sum(rates.values()),
                 "offered_rps_by_kind": rates,
                 "attainment": {k: m["slo"][k]["attainment"] for k in KINDS},
+                "worst_stretch": {k: (m["slo"][k].get("worst_stretch") or {}).get("attainment")
+                                  for k in KINDS},
+                "within": {k: m["slo"][k]["within"] for k in KINDS},  # which bound held
                 "goodput_rps": m["slo"]["combined"]["goodput_rps"],
                 "throughput_rps": m["throughput_rps"],
-                "passed": meets(m, self.load, self.required), "sim_wall_s": m.get("sim_wall_s")}
+                "passed": meets(m, self.load, self.required, self.stretch),
+                "sim_wall_s": m.get("sim_wall_s")}
 
 
 # ----- the rate search ----------------------------------------------------------------------
@@ -258,6 +299,7 @@ def search_rates(ev: Evaluator, configurations: list[str], gpus: int, tolerance:
         out.append({
             "configuration": b.configuration, "gpus": gpus,
             "max_rate_rps": lo * ev.load.total if lo is not None else 0.0,
+            "max_scale": lo or 0.0,  # of the scenario's load
             "max_rate_rps_by_kind": {k: (lo or 0.0) * ev.load.rates[k] for k in KINDS},
             "next_rate_rps": hi * ev.load.total if hi is not None else None,
             "attainment_at_max": best["attainment"] if best else None,
@@ -275,7 +317,11 @@ def _bracket_text(b: Bracket, total: float) -> str:
 
 # ----- the GPU search -----------------------------------------------------------------------
 def family(configuration: str) -> str:
-    """What the GPU search varies: a split configuration stands for every split."""
+    """What the GPU search varies: a split configuration stands for every split; a
+    re-planning split from a given start for every start (``dedicated-replan`` alone picks its
+    own)."""
+    if is_replan(configuration):
+        return REPLAN if configuration == REPLAN else REPLAN + "-start"
     for name in ("dedicated", "disagg-pd"):
         if configuration.startswith(name + "-"):
             return name
@@ -285,6 +331,9 @@ def family(configuration: str) -> str:
 def family_members(name: str, gpus: int, demand: dict[str, float]) -> list[str]:
     """The configurations of a family on ``gpus`` GPUs (a dedicated pool may be empty only
     when its kind is not asked for; Disagg-PD needs a prefill and a decode GPU)."""
+    if name == REPLAN + "-start":  # a re-planning split from each start a frozen one takes
+        return [f"{REPLAN}-{c.removeprefix('dedicated-')}"
+                for c in family_members("dedicated", gpus, demand)]
     if name not in ("dedicated", "disagg-pd"):
         return [name]
     if name == "disagg-pd":
@@ -364,18 +413,32 @@ def estimate_gpus(rate_result: list[dict], fam: str, gpus: int, demand_rps: floa
 def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, tolerance: float = 0.05,
                  demand: dict[str, float] | None = None, max_gpus: int = 8,
                  max_parallel: int | None = None, ray: str | None = None,
-                 console: Console | None = None) -> dict:
+                 console: Console | None = None, stretch: float | None = None,
+                 scale: float | None = None) -> dict:
     """Both searches for every configuration of ``scenario``; writes ``capacity.json`` and
     ``capacity.png`` under ``out`` and prints the tables. ``demand``: requests/s per kind for
-    the GPU search (default: the scenario's own rates); ``max_gpus`` 0 skips it."""
+    the GPU search (default: the scenario's own rates), or ``scale``: the scenario's load times
+    it; ``max_gpus`` 0 skips it. ``stretch``: the attainment every kind must also reach over
+    its worst 5 minutes (default: ``STRETCH_ATTAINMENT`` for a trace or bursty load, none for
+    a stationary one)."""
     console = console or Console()
     if not 0 < required <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {required}")
+    if stretch is not None and not 0 < stretch <= 1:
+        raise ValueError(f"--stretch-attainment must be in (0, 1], got {stretch}")
+    if scale is not None and scale <= 0:
+        raise ValueError(f"--scale must be > 0, got {scale}")
+    if scale is not None and demand is not None:
+        raise ValueError("give --demand or --scale, not both")
     if not 0 < tolerance < 1:
         raise ValueError(f"--tolerance must be in (0, 1), got {tolerance}")
     if max_gpus < 0:
         raise ValueError(f"--max-gpus must be >= 0, got {max_gpus}")
     load = open_loop_load(scenario)
+    if stretch is None and load.moving:
+        stretch = STRETCH_ATTAINMENT
+    if scale is not None:
+        demand = {k: r * scale for k, r in load.rates.items()}
     demand = dict(load.rates) if demand is None else {k: float(demand.get(k, 0.0)) for k in KINDS}
     for kind, rate in demand.items():
         if rate > 0 and load.rates[kind] <= 0:
@@ -385,7 +448,7 @@ def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, toleranc
     gpus = scenario.cluster.gpus
     wall = time.perf_counter()
     with point_runner(workers, ray) as run_points:
-        ev = Evaluator(scenario, load, required, run_points, console)
+        ev = Evaluator(scenario, load, required, run_points, console, stretch)
         rates = search_rates(ev, list(scenario.configurations), gpus, tolerance, workers)
         gpu_result = None
         if max_gpus:
@@ -397,6 +460,7 @@ def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, toleranc
                           "families": search_gpus(ev, families, demand, max_gpus, start)}
     data = scenario_dump(scenario)
     doc = {**results_doc(data, []), "schema": SCHEMA, "required_attainment": required,
+           "required_stretch_attainment": stretch, "moving_load": load.moving,
            "tolerance": tolerance, "rate_grid_steps": grid_steps(tolerance),
            "offered_rps_by_kind": load.rates,
            "rate_search": rates, "gpu_search": gpu_result, "simulations": len(ev.done),
@@ -425,18 +489,25 @@ def print_capacity(console: Console, doc: dict, name: str) -> None:
     targets = ", ".join(f"{k} {v:g} s" for k, v in (sc.get("slo") or {}).items() if v is not None)
     mix = doc["offered_rps_by_kind"]
     share = mix["generation"] / max(sum(mix.values()), 1e-12)
+    stretch = doc.get("required_stretch_attainment")
+    worst = f", worst 5 min >= {stretch:.1%}" if stretch else ""
     table = Table(title=f"{name}: highest rate within the SLOs ({targets}; attainment >= "
-                        f"{doc['required_attainment']:.1%}; generation share {share:.2f})")
-    for col in ("configuration", "GPUs", "max req/s", "emb/s", "gen/s", "next (fails)",
-                "SLO emb", "SLO gen", "runs"):
+                        f"{doc['required_attainment']:.1%}{worst}; generation share {share:.2f})")
+    for col in ("configuration", "GPUs", "scale", "max req/s", "emb/s", "gen/s", "next (fails)",
+                "SLO emb", "SLO gen", "worst 5 min", "runs"):
         table.add_column(col, justify="right", overflow="fold")
     for r in doc["rate_search"]:
         att = r["attainment_at_max"] or {}
-        table.add_row(r["configuration"], str(r["gpus"]), f"{r['max_rate_rps']:.2f}",
+        at_max = [x for x in r["runs"] if x["offered_rps"] == r["max_rate_rps"]]
+        worst = min((v for v in (at_max[0].get("worst_stretch") or {}).values() if v is not None),
+                    default=None) if at_max else None
+        table.add_row(r["configuration"], str(r["gpus"]), f"{r.get('max_scale', 0):.3g}x",
+                      f"{r['max_rate_rps']:.2f}",
                       f"{r['max_rate_rps_by_kind']['embedding']:.2f}",
                       f"{r['max_rate_rps_by_kind']['generation']:.2f}",
                       "-" if r["next_rate_rps"] is None else f"{r['next_rate_rps']:.2f}",
-                      _pct(att.get("embedding")), _pct(att.get("generation")), str(len(r["runs"])))
+                      _pct(att.get("embedding")), _pct(att.get("generation")), _pct(worst),
+                      str(len(r["runs"])))
     console.print(table)
     g = doc["gpu_search"]
     if not g:

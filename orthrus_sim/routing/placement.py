@@ -43,6 +43,7 @@ attainment's fraction (``results``' ``slo`` section measures that).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -77,6 +78,65 @@ class Demand:
     @property
     def asks_embedding(self) -> bool:
         return self.embeddings > 0 or self.embedding_rps > 0
+
+
+class DemandWindow:
+    """The demand a router observes: arrivals per kind over the last ``window_s`` and the mean
+    lengths of all that arrived (the adaptive router's and the re-planning split's alike)."""
+
+    def __init__(self, window_s: float, replan_s: float, closed_loop: bool) -> None:
+        self.window_s, self.replan_s, self.closed_loop = window_s, replan_s, closed_loop
+        self._arrivals: dict[bool, deque[float]] = {True: deque(), False: deque()}  # is_embedding
+        self._lengths = {"prompt": [0, 0], "output": [0, 0], "embedding": [0, 0]}  # sum, count
+        self._since: float | None = None  # the first arrival observed
+        self.span = window_s  # the time the last demand's rates were counted over
+
+    def observed_s(self, now: float) -> float:
+        """Seconds since the first arrival observed (0 before it)."""
+        return 0.0 if self._since is None else now - self._since
+
+    def observe(self, request: Any) -> None:
+        now = request.arrival_time
+        if self._since is None:
+            self._since = now
+        self._arrivals[request.is_embedding].append(now)
+        if request.is_embedding:
+            _add(self._lengths["embedding"], request.input_len)
+        else:
+            _add(self._lengths["prompt"], request.input_len)
+            _add(self._lengths["output"], request.expected_output_tokens)
+
+    def demand(self, now: float, generations: int, embeddings: int,
+               arriving: Any | None = None) -> Demand:
+        """The demand at ``now`` with ``generations`` and ``embeddings`` in flight
+        (``arriving`` counted too)."""
+        rates = {}
+        # over the time observed so far when that is shorter than the window: a full window's
+        # denominator a second into a run reads a tenth of the rate, and plans for it
+        span = self.window_s if self._since is None else min(
+            self.window_s, max(now - self._since, self.replan_s))
+        self.span = span
+        for kind, times in self._arrivals.items():
+            while times and times[0] < now - self.window_s:
+                times.popleft()
+            rates[kind] = len(times) / span
+
+        def mean(name: str) -> float:
+            total, n = self._lengths[name]
+            return total / n if n else 128.0
+
+        gens, embs = generations, embeddings
+        if arriving is not None:
+            gens, embs = (gens, embs + 1) if arriving.is_embedding else (gens + 1, embs)
+        return Demand(generations=gens, embeddings=embs, generation_rps=rates[False],
+                      embedding_rps=rates[True], prompt_len=mean("prompt"),
+                      output_len=mean("output"), embedding_len=mean("embedding"),
+                      closed_loop=self.closed_loop)
+
+
+def _add(acc: list[int], value: int) -> None:
+    acc[0] += value
+    acc[1] += 1
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -39,6 +39,7 @@ from orthrus_sim.engine.request import Request, RequestKind
 from orthrus_sim.routing.placement import (
     Assignment,
     Demand,
+    DemandWindow,
     PlacementPlanner,
     Prediction,
     chunk_rate,
@@ -309,12 +310,9 @@ class AdaptivePlacement(_Booked):
         self.demand_log: list[dict] = []  # at every plan: the demand and the assignment
         self._next_plan = float("-inf")
         self._pending_since: float | None = None  # since when a better plan than the current
-        self._arrivals: dict[bool, deque[float]] = {True: deque(), False: deque()}  # is_embedding
-        self._lengths = {"prompt": [0, 0], "output": [0, 0], "embedding": [0, 0]}  # sum, count
+        self.window = DemandWindow(self.WINDOW_S, self.REPLAN_S, closed_loop)
         self._embeddings = 0
         self._embedding_turn = 0  # ties among the embedding side go round from here
-        self._since: float | None = None  # the first arrival observed
-        self._span = self.WINDOW_S  # the time the last demand's rates were counted over
         self.cap: int | None = None  # a capped plan's decodes per decoding replica
 
     # ----- the two sides --------------------------------------------------------------------
@@ -325,37 +323,17 @@ class AdaptivePlacement(_Booked):
     def demand(self, now: float, arriving: Request | None = None) -> Demand:
         """What the router observed by ``now``: in flight (``arriving`` counted), arrivals per
         second over the window, mean lengths."""
-        rates = {}
-        # over the time observed so far when that is shorter than the window: a full window's
-        # denominator a second into a run reads a tenth of the rate, and plans for it
-        span = self.WINDOW_S if self._since is None else min(
-            self.WINDOW_S, max(now - self._since, self.REPLAN_S))
-        self._span = span
-        for kind, times in self._arrivals.items():
-            while times and times[0] < now - self.WINDOW_S:
-                times.popleft()
-            rates[kind] = len(times) / span
-
-        def mean(name: str) -> float:
-            total, n = self._lengths[name]
-            return total / n if n else 128.0
-
         gens = sum(x.generations for x in self.load.values())
-        embs = self._embeddings
-        if arriving is not None:
-            gens, embs = (gens, embs + 1) if arriving.is_embedding else (gens + 1, embs)
-        return Demand(generations=gens, embeddings=embs, generation_rps=rates[False],
-                      embedding_rps=rates[True], prompt_len=mean("prompt"),
-                      output_len=mean("output"), embedding_len=mean("embedding"),
-                      closed_loop=self.closed_loop)
+        return self.window.demand(now, gens, self._embeddings, arriving)
 
     def _low(self, d: Demand) -> Demand:
         """``d`` at the low end of the generation rates the window's count of arrivals allows
         (``NOISE_SD`` Poisson sds below it): a 10 s count of a steady stream strays by 1-2 sds
         often, and a plan dropped for that drains a replica for a generation's lifetime, which
         an embedding side near its capacity does not survive."""
-        n = d.generation_rps * self._span
-        return replace(d, generation_rps=max(0.0, n - self.NOISE_SD * math.sqrt(n)) / self._span)
+        span = self.window.span
+        n = d.generation_rps * span
+        return replace(d, generation_rps=max(0.0, n - self.NOISE_SD * math.sqrt(n)) / span)
 
     def _holds(self, a: Assignment, d: Demand) -> bool:
         """Whether ``a`` holds the target at the low end of ``d`` (``_low``)."""
@@ -390,14 +368,7 @@ class AdaptivePlacement(_Booked):
 
     def _observe(self, request: Request) -> None:
         now = request.arrival_time
-        if self._since is None:
-            self._since = now
-        self._arrivals[request.is_embedding].append(now)
-        if request.is_embedding:
-            _add(self._lengths["embedding"], request.input_len)
-        else:
-            _add(self._lengths["prompt"], request.input_len)
-            _add(self._lengths["output"], request.expected_output_tokens)
+        self.window.observe(request)
         if now >= self._next_plan:
             self._next_plan = now + self.REPLAN_S
             self._replan(now, request)
@@ -607,11 +578,6 @@ class AdaptivePlacement(_Booked):
 
 BURST_SLACK = 0.10  # an open load's generation never waits further past the decoding side
 CLOSED_LOOP_BURST_SLACK = 0.05  # a closed loop's burst (its clients bound the count in flight)
-
-
-def _add(acc: list[int], value: int) -> None:
-    acc[0] += value
-    acc[1] += 1
 
 
 def closed_loop(scenario: Any) -> bool:

@@ -117,7 +117,35 @@ class Replica:
         self._front = simpy.Resource(env, 1) if self._overhead else None
         if fast_forward and policy.decode_runs:
             policy.use_cohort()
+        # a role change asked for (``change_role``): what to become once drained
+        self._next_role: tuple[str, Policy, object, float, Callable[[Replica], None]] | None = None
         self.process = env.process(self.run())
+
+    def change_role(self, role: str, policy: Policy, cost, pause_s: float,
+                    ready: Callable[[Replica], None]) -> None:
+        """Become a ``role`` replica running ``policy`` on ``cost``: once the requests here
+        have drained (the router sends no new one), serve nothing for ``pause_s`` (the new
+        server starting), then take the new role and call ``ready``."""
+        self._next_role = (role, policy, cost, pause_s, ready)
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _drained(self) -> bool:
+        front = self._front
+        return not self._work and not self._inbox and (
+            front is None or (not front.count and not front.queue))
+
+    def _become(self):
+        role, policy, cost, pause_s, ready = self._next_role
+        self._next_role = None
+        if pause_s:
+            yield Timeout(self.env, pause_s)
+        self.role, self.policy, self.cost = role, policy, cost
+        self.adapter = getattr(cost, "lora", None) is not None
+        self.merged = False
+        if self.fast_forward and policy.decode_runs:
+            policy.use_cohort()
+        ready(self)
 
     def merge_adapter(self, merged: bool) -> None:
         """Run embeddings with the adapter merged into the weights (as a dedicated embedding
@@ -248,6 +276,10 @@ class Replica:
             now = env._now
             batch = policy.schedule(now)
             if not (batch.items or batch.cohort_decodes):  # ``not batch``, without the call
+                if self._next_role is not None and self._drained():
+                    yield from self._become()
+                    policy, cost = self.policy, self.cost
+                    continue
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None

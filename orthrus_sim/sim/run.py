@@ -112,4 +112,6 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
     if scenario.workload.phases:
         metrics["phases"] = log.phase_metrics(scenario.workload.phases)
     metrics["warnings"] = driver.workload.warnings + window_warnings(metrics)
+    if driver.workload.notes:
+        metrics["workload_notes"] = driver.workload.notes
     return RunResult(configuration, metrics, log.sample, timeline, driver.workload.specs or [])
