@@ -78,6 +78,12 @@ class ClusterSection(Strict):
         "maximises: normalised throughput, or normalised goodput (the kinds whose predicted "
         "latencies meet the slo section's bounds; then throughput)")
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    front_end: Literal["per-replica", "shared"] = Field(
+        default="per-replica", description="where a request pays the calibration's per-request "
+        "server overheads (cost factors embedding_overhead_s, generation_overhead_s), one "
+        "request at a time: each replica's own server (per-replica), or one process in front "
+        "of the whole cluster before the request is routed (shared: one API server or "
+        "benchmark client for every GPU, so the kinds' overheads queue behind each other)")
 
 
 class _SchedulerExtras(Strict):
@@ -86,6 +92,10 @@ class _SchedulerExtras(Strict):
     policy: str | None = Field(default=None, description="policy for the 'orthrus' configuration")
     generation_token_budget: int | None = Field(default=None, ge=1,
                                                 description="budget of dedicated generation replicas")
+    embedding_token_budget: int | None = Field(
+        default=None, ge=1, description="budget of dedicated embedding replicas (a stock pooling "
+        "server's batch: vLLM's pooling runner takes up to 32,768 tokens of whole inputs and "
+        "max_num_seqs of them); default: token_budget")
 
     @field_validator("policy")
     @classmethod

@@ -12,6 +12,7 @@ from orthrus_sim.engine.request import Request, RequestState
 from orthrus_sim.experiment.plan import cost_factors, plan_configuration, replica_cost
 from orthrus_sim.experiment.scenario import Scenario
 from orthrus_sim.routing.rules import RouterRule
+from orthrus_sim.sim.front_end import FrontEnd
 from orthrus_sim.sim.replica import Replica
 
 
@@ -37,6 +38,12 @@ class Cluster:
         self.hardware = get_hardware(scenario.hardware)
         factors = cost_factors(scenario)
         priced = replica_cost(scenario)
+        # a shared front end: every request pays its overhead there, one at a time for the
+        # cluster, before it is routed; the replicas then have none of their own
+        shared = factors is not None and scenario.cluster.front_end == "shared"
+        stock = name.startswith("dedicated")  # its embeddings go to a stock embedding server
+        self._front = FrontEnd(env, lambda kind: factors.overhead_s(kind, stock), self._route) \
+            if shared else None
 
         def cost(plan):
             if cost_factory is not None:  # tests replace the roofline
@@ -48,7 +55,7 @@ class Cluster:
             # an iteration-time target is predicted by the very cost model the replica runs on
             predictor = CostModelPredictor(model) if plan.config.tpot_target_s is not None else None
             return Replica(env, i, plan.role, make_policy(plan.policy, plan.config, predictor),
-                           model, self._on_leave, fast_forward, factors)
+                           model, self._on_leave, fast_forward, factors, not shared)
 
         self.replicas = [replica(i, plan) for i, plan in enumerate(self.plans)]
         unified = self.plans[0].config if self.plans else None
@@ -61,6 +68,12 @@ class Cluster:
         self.kv_transfer_s = 0.0
 
     def submit(self, request: Request) -> None:
+        if self._front is not None:
+            self._front.submit(request)
+            return
+        self._route(request)
+
+    def _route(self, request: Request) -> None:
         replica = self.router.route(request)
         if replica is None:
             request.reject(f"configuration {self.name} has no replica serving "

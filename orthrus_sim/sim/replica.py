@@ -24,10 +24,12 @@ from itertools import accumulate
 import simpy
 from simpy.events import Timeout
 
+from orthrus_sim.costmodel.factors import padded
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine.decode_run import complete_decode_run, decode_run_length, run_on
 from orthrus_sim.engine.policy import Policy
-from orthrus_sim.engine.request import Request, RequestKind
+from orthrus_sim.engine.request import Request
+from orthrus_sim.sim.front_end import FrontEnd
 
 
 @dataclass(slots=True)
@@ -85,7 +87,7 @@ class Replica:
 
     def __init__(self, env: simpy.Environment, index: int, role: str, policy: Policy, cost,
                  on_leave: Callable[[Request, Replica], None], fast_forward: bool = True,
-                 factors=None) -> None:
+                 factors=None, front_end: bool = True) -> None:
         self.env = env
         self.index = index
         self.role = role
@@ -112,9 +114,12 @@ class Replica:
         # (``CostFactors``' per-request overheads: they occupy the server, not the device).
         # With factors, every request passes the front end, even at 0 s: a fit moves the
         # overheads from 0 without the simulation changing its path there
-        self._overhead = {k.value: factors.overhead_s(k.value) for k in RequestKind} \
-            if factors is not None and role != "decode" else {}
-        self._front = simpy.Resource(env, 1) if self._overhead else None
+        # (``front_end`` False: the cluster's shared front end takes them instead)
+        stock = role == "embedding"  # a split's embedding GPU: a stock embedding server
+        self._front = FrontEnd(env, lambda kind: factors.overhead_s(kind, stock), self._admit) \
+            if factors is not None and front_end and role != "decode" else None
+        # a stock embedding server prices its batches padded to their longest input (a share)
+        self._padding = factors.stock_embedding_padding if factors is not None and stock else 0.0
         if fast_forward and policy.decode_runs:
             policy.use_cohort()
         self.process = env.process(self.run())
@@ -132,14 +137,8 @@ class Replica:
 
     def submit(self, request: Request) -> None:
         if self._front is not None:
-            self.env.process(self._through_front(request))
+            self._front.submit(request)
             return
-        self._admit(request)
-
-    def _through_front(self, request: Request):
-        with self._front.request() as slot:
-            yield slot
-            yield self.env.timeout(self._overhead[request.kind.value])
         self._admit(request)
 
     def _admit(self, request: Request) -> None:
@@ -259,7 +258,7 @@ class Replica:
             if steps > 1:
                 yield from self._decode_run(shape, steps)
                 continue
-            seconds = cost.shape_time(shape)
+            seconds = cost.shape_time(self._padded(shape, batch) if self._padding else shape)
             if self._merge_s:
                 seconds, self._merge_s = seconds + self._merge_s, 0.0
             flops, bytes_ = cost.shape_work(shape)
@@ -267,6 +266,12 @@ class Replica:
             yield Timeout(env, seconds)
             self._account(shape, 1, seconds, flops, bytes_)
             self._leave(policy.complete(batch, env._now))
+
+    def _padded(self, shape: BatchShape, batch) -> BatchShape:
+        """The batch's shape with its inputs padded to the longest (a stock embedding server's
+        batch: whole inputs)."""
+        longest = max(it.start + it.num_tokens for it in batch.items)
+        return padded(shape, longest, self._padding)
 
     def _cohort_shape(self) -> BatchShape:
         """The shape of an iteration of the decode cohort alone."""
