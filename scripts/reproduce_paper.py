@@ -187,7 +187,8 @@ def decompose(runs: Runs, setup: Setup, cal: str, bare: str | None = None) -> di
     if setup.mix:
         goodput = [sum((get(at[c], f"slo.{k}.goodput_rps") or 0.0) / ref[k] for k in ref)
                    for c in ("orthrus", base)]
-        out["goodput"] = goodput[0] / goodput[1] if goodput[1] else math.inf
+        # none where the baseline meets the SLOs on nothing (no ratio to give)
+        out["goodput"] = goodput[0] / goodput[1] if goodput[1] else None
     out |= _planner(runs, setup, steady, cal, at, norm)
     out["over_planner"] = None if out["planner"] is None else g_norm / out["planner"]
     return out
