@@ -306,13 +306,13 @@ def test_a_range_turns_the_corner_of_an_overhead_that_hides_a_scale():
 
     from orthrus_sim.costmodel.factors import CostFactors
     from orthrus_sim.questions.evaluation import BY_NAME
-    from orthrus_sim.questions.ranges import Z, _corners, _refitted_ends, _Trials
+    from orthrus_sim.questions.ranges import Trials, Z, _corners, _refitted_ends
 
     ev, fitted = _LValley(), ["embedding_scale", "decode_scale"]
     at = CostFactors(embedding_scale=3.0, decode_scale=1.0)
     jac = np.array([[1.0, 0.0], [0.0, 1.0]])  # d log time / d log scale at the fit
     budget = (Z * 0.03) ** 2
-    trials = _Trials(ev, at, fitted, jac, budget)
+    trials = Trials(ev, at, fitted, jac, budget)
     ends = _refitted_ends(trials, ["embedding_overhead_s"], budget, lambda _m: None)
     edge, bound = ends[("embedding_overhead_s", "high")]
     assert not bound and 0.02 < edge.embedding_overhead_s < 0.032

@@ -13,6 +13,10 @@ and prints each one's simulations, seconds and the ratios the targets are stated
 <= 3 minutes; the joint fit <= 2x the three separate ones together). Everything runs in this
 process, one after the other, so the ratios compare like with like on a noisy machine.
 
+``--only published`` times the fit of the paper's three published Dedicated-1:3 rows (issue
+63's case: the mix sweep in one mixed pool from a cold start), ``--only paper`` the joint fit
+over all 13 of its baseline figures (``scenarios/paper/baselines.yaml``; this code only).
+
 Only the separate fits use nothing newer than the fit of 2026-12-02, so the same script
 measures the code before this work when that checkout comes first on the path (``-P``: not the
 current directory first, so ``/tmp/before``'s orthrus_sim is found before this one's, and this
@@ -46,6 +50,11 @@ from orthrus_sim.questions.fit import fit
 from orthrus_sim.sim.run import simulate
 
 SHARES = (0.1, 0.5, 0.9)
+# the paper's published Dedicated-1:3 figures (emb/s, gen/s) at each share, as issue 63 timed
+# their fit: the mix sweep in one mixed pool from a cold start (scenarios/paper/baselines.yaml)
+PUBLISHED = {0.1: (15.64, 1.49), 0.5: (12.54, 11.97), 0.9: (5.10, 29.56)}
+COLD = ["warmup_s=0", "workload.arrival.ramp_s=0"]
+PAPER_BASELINES = Path(orthrus_sim.__file__).parents[1] / "scenarios" / "paper" / "baselines.yaml"
 CONFIGURATION = "dedicated-1:3"
 TRUTH = {"embedding_scale": 2.0, "decode_scale": 1.4, "embedding_overhead_s": 0.004}
 SHOWN = ("throughput_rps.embedding", "throughput_rps.generation", "latency_s.embedding.p50",
@@ -76,16 +85,31 @@ def measure(share: float, truth: str) -> tuple[MeasuredRun, float]:
     return MeasuredRun(CONFIGURATION, shown, f"truth at {share}"), seconds
 
 
-def timed_fit(scenario, runs: list[MeasuredRun], workers: int) -> dict:
-    kwargs = {"spread": 0.05} if "spread" in inspect.signature(fit).parameters else {}
+def timed_fit(scenario, runs: list[MeasuredRun], workers: int, fixed: dict | None = None,
+              spread: float | None = 0.05) -> dict:
+    kwargs = {"spread": spread} if spread and "spread" in inspect.signature(fit).parameters \
+        else {}
     start = time.perf_counter()
-    result = fit(scenario, runs, workers, FIXED, **kwargs)
+    result = fit(scenario, runs, workers, FIXED if fixed is None else fixed, **kwargs)
     seconds = time.perf_counter() - start
     worst = max((abs(r["residual"]) for r in result.residuals if r["residual"] is not None),
                 default=None)
-    return {"seconds": seconds, "simulations": result.evaluations, "worst_residual": worst,
+    # ``simulations``: factor sets, each all the runs (what the fit reports as evaluations);
+    # ``runs``: the simulations run, where the fit counts them (a run a factor set does not
+    # change is reused)
+    return {"seconds": seconds, "simulations": result.evaluations,
+            "runs": getattr(result, "simulations", None), "worst_residual": worst,
+            "misses": len(result.misses) if hasattr(result, "misses") else None,
             "fitted": {n: p["value"] for n, p in result.parameters.items()
                        if p["status"] == "fitted"}}
+
+
+def published_runs() -> list[MeasuredRun]:
+    """The paper's three Dedicated-1:3 rows, each at its share."""
+    return [MeasuredRun(CONFIGURATION, {"throughput_rps.embedding": emb,
+                                        "throughput_rps.generation": gen},
+                        f"published at {share}", None, (f"workload.generation_share={share}",))
+            for share, (emb, gen) in PUBLISHED.items()]
 
 
 def with_overrides(run: MeasuredRun, share: float) -> MeasuredRun:
@@ -96,11 +120,30 @@ def with_overrides(run: MeasuredRun, share: float) -> MeasuredRun:
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--only", choices=("separate", "joint", "both"), default="both")
+    ap.add_argument("--only", choices=("separate", "joint", "both", "published", "paper"),
+                    default="both", help="published: the paper's three Dedicated-1:3 rows "
+                    "(the code of any date runs it); paper: the joint fit over its 13 baseline "
+                    "figures (scenarios/paper/baselines.yaml)")
     ap.add_argument("--out", type=Path, default=None, help="folder for fit_speed.json")
     args = ap.parse_args()
     console = Console()
     rows: list[dict] = []
+    if args.only in ("published", "paper"):
+        if args.only == "published":
+            sc = load_scenario("mix_sweep", overrides(0.5) + COLD)
+            row = timed_fit(sc, published_runs(), args.workers, {}, None)
+        else:
+            from orthrus_sim.experiment.measured import load_measured
+
+            row = timed_fit(load_scenario("paper/mix_sweep"), load_measured([PAPER_BASELINES]),
+                            args.workers, {}, None)
+        rows.append({"case": f"{args.only} fit"} | row)
+        console.print(f"{args.only} fit: {row['seconds']:.0f} s, {row['simulations']} factor "
+                      f"sets, {row['runs']} simulations, {row['misses']} misses")
+        report(rows, console, args.workers)
+        if args.out:
+            write_json({"workers": args.workers, "rows": rows}, args.out / "fit_speed.json")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         truth = truth_calibration(Path(tmp) / "truth.json")
         measured = {}
@@ -129,7 +172,8 @@ def main() -> None:
 
 
 def report(rows: list[dict], console: Console, workers: int) -> None:
-    unit = float(np.mean([r["seconds"] for r in rows if r["simulations"] == 1]))
+    units = [r["seconds"] for r in rows if r["simulations"] == 1]
+    unit = float(np.mean(units)) if units else None
     out = table(f"fits on the mix sweep (Dedicated-1:3, 512 clients, 180 s, one mixed "
                 f"pool; {workers} workers)",
                 ["case", "simulations", "seconds", "x one simulation", "worst residual", "fitted"],
@@ -137,7 +181,8 @@ def report(rows: list[dict], console: Console, workers: int) -> None:
     for r in rows:
         worst = r.get("worst_residual")
         out.add_row(r["case"], str(r["simulations"]), f"{r['seconds']:.1f}",
-                    f"{r['seconds'] / unit:.1f}", "-" if worst is None else f"{worst:.1%}",
+                    f"{r['seconds'] / unit:.1f}" if unit else "-",
+                    "-" if worst is None else f"{worst:.1%}",
                     " ".join(f"{k}={v:.3g}" for k, v in r.get("fitted", {}).items()))
     console.print(out)
     separate = [r for r in rows if r["case"].startswith("separate")]

@@ -78,6 +78,11 @@ class CostFactorsModel(BaseModel):
     overlap: float = Field(default=1.0, ge=0)
     embedding_overhead_s: float = Field(default=0.0, ge=0)
     generation_overhead_s: float = Field(default=0.0, ge=0)
+    adapter_scale: float = Field(default=1.0, gt=0)
+    kv_scale: float = Field(default=1.0, gt=0)
+    stock_embedding_scale: float = Field(default=1.0, gt=0)
+    stock_embedding_padding: float = Field(default=0.0, ge=0, le=1)
+    stock_embedding_overhead_s: float = Field(default=0.0, ge=0)
 
 
 class EnvironmentModel(BaseModel):

@@ -14,7 +14,26 @@ tokenisation, HTTP). The factors say how the fitted simulation differs from the 
   twice its saving; never less than the dearest part;
 * ``embedding_overhead_s``, ``generation_overhead_s``: seconds each request of that kind spends
   in the server outside the forward pass (tokenisation, pooling output, HTTP), one request at a
-  time per replica: they occupy the server, not the device.
+  time per front end (a replica's own, or the cluster's: ``cluster.front_end``): they occupy
+  the server, not the device;
+* ``kv_scale``: multiplies the KV cache the memory model gives each replica (what an engine
+  reserves beside it that the model does not count: CUDA graphs, its profiler's activation
+  peak, adapter buffers; it decides how many long generations run at once);
+* ``adapter_scale``: multiplies the device time of the generation rows (prefill chunks and
+  decodes) of a replica whose engine has the embedding adapter loaded (a unified replica,
+  Disagg-PD's prefill GPUs): a LoRA-enabled engine runs its adapter kernels over every row,
+  which the calibration's LoRA operators (the adapter's own rows) do not price.
+
+A split's dedicated embedding GPU is a *stock* embedding server, whose own costs only it pays
+(what a co-served engine's embeddings do not):
+
+* ``stock_embedding_scale``: multiplies the device time of its batches, on top of
+  ``embedding_scale`` (another engine: eager attention, another dtype);
+* ``stock_embedding_padding``: the share of its batches' padding it pays: each batch priced as
+  its inputs padded to the longest one (1; a padded batch, as a transformers-based server
+  forms it) or as the inputs alone (0, vLLM's pooling runner, which flattens them);
+* ``stock_embedding_overhead_s``: seconds per embedding request in its front end, on top of
+  ``embedding_overhead_s`` (its API path).
 
 With every factor neutral the cost model is the calibration's, unchanged (the simulator does
 not even wrap it).
@@ -22,7 +41,7 @@ not even wrap it).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from orthrus_sim.costmodel.shape import BatchShape
 
@@ -35,27 +54,50 @@ class CostFactors:
     overlap: float = 1.0
     embedding_overhead_s: float = 0.0
     generation_overhead_s: float = 0.0
+    adapter_scale: float = 1.0
+    kv_scale: float = 1.0
+    stock_embedding_scale: float = 1.0
+    stock_embedding_padding: float = 0.0
+    stock_embedding_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            low = 0.0 if f.name == "overlap" or f.name.endswith("_overhead_s") else 1e-9
+            low = 1e-9 if f.name.endswith("_scale") else 0.0
             if not value >= low:  # NaN fails too
                 raise ValueError(f"cost factor {f.name} must be >= {low:g}, got {value!r}")
+        if self.stock_embedding_padding > 1:
+            raise ValueError(f"cost factor stock_embedding_padding is a share of the padding, "
+                             f"in [0, 1]; got {self.stock_embedding_padding!r}")
 
     @property
     def device_neutral(self) -> bool:
         """No change to iteration times (overheads may still be set)."""
-        return (self.embedding_scale, self.prefill_scale, self.decode_scale, self.overlap) == (1.0,) * 4
+        return (self.embedding_scale, self.prefill_scale, self.decode_scale, self.overlap,
+                self.adapter_scale, self.stock_embedding_scale) == (1.0,) * 6
 
     @property
     def neutral(self) -> bool:
         return self == CostFactors()
 
-    def overhead_s(self, kind: str) -> float:
+    def seen_by(self, stock: bool, adapter: bool) -> CostFactors:
+        """The factors as an arrangement of replicas pays them: the stock embedding server's
+        terms only where one serves (``stock``), ``adapter_scale`` only where an engine has the
+        adapter loaded; the others neutral. Simulating either gives the same result."""
+        out = self
+        if not stock:
+            out = replace(out, stock_embedding_scale=1.0, stock_embedding_padding=0.0,
+                          stock_embedding_overhead_s=0.0)
+        if not adapter:
+            out = replace(out, adapter_scale=1.0)
+        return out
+
+    def overhead_s(self, kind: str, stock: bool = False) -> float:
         """Seconds outside the forward pass of one request of ``kind`` (``embedding`` or
-        ``generation``)."""
-        return self.embedding_overhead_s if kind == "embedding" else self.generation_overhead_s
+        ``generation``); ``stock``: an embedding bound for a stock embedding server."""
+        if kind != "embedding":
+            return self.generation_overhead_s
+        return self.embedding_overhead_s + (self.stock_embedding_overhead_s if stock else 0.0)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -86,16 +128,32 @@ def split_shape(shape: BatchShape) -> tuple[BatchShape, BatchShape, BatchShape]:
     return emb, pre, dec
 
 
+def padded(shape: BatchShape, longest: int, share: float) -> BatchShape:
+    """A batch of whole embedding inputs (a stock server's) priced as padded: ``share`` of the
+    way from its inputs to every row as long as ``longest`` (tokens, and the causal pairs of
+    its attention; the adapter's rows, which a stock server has none of, stay)."""
+    rows = shape.num_seqs
+    full_tokens, full_pairs = rows * longest, rows * longest * (longest + 1) / 2
+    tokens = round(shape.tokens + share * (full_tokens - shape.tokens))
+    return BatchShape(tokens=tokens, num_seqs=rows, chunk_tokens=tokens,
+                      chunk_pairs=shape.chunk_pairs + share * (full_pairs - shape.chunk_pairs),
+                      chunk_kv=tokens, lora_rows=shape.lora_rows, pooled_rows=tokens)
+
+
 class FactoredCostModel:
     """A cost model with ``CostFactors`` applied to its iteration times; work (FLOPs, bytes)
-    is the wrapped model's: the factors change how long the work takes, not what it is."""
+    is the wrapped model's: the factors change how long the work takes, not what it is.
+    ``stock``: the model of a stock embedding server (its own scale on top)."""
 
-    def __init__(self, base, factors: CostFactors) -> None:
+    def __init__(self, base, factors: CostFactors, stock: bool = False) -> None:
         self.base = base
         self.factors = factors
         self.hardware, self.model = base.hardware, base.model
         self.coefficients, self.lora = base.coefficients, base.lora
-        self._scales = (factors.embedding_scale, factors.prefill_scale, factors.decode_scale)
+        # the generation rows of an engine with the adapter loaded pay its kernels
+        adapter = factors.adapter_scale if base.lora is not None else 1.0
+        emb = factors.embedding_scale * (factors.stock_embedding_scale if stock else 1.0)
+        self._scales = (emb, factors.prefill_scale * adapter, factors.decode_scale * adapter)
 
     def shape_time(self, shape: BatchShape) -> float:
         if shape.num_seqs == 0:
@@ -116,7 +174,7 @@ class FactoredCostModel:
         return self.shape_time(BatchShape.from_batch(batch, adapter=self.lora is not None))
 
     def decode_step_times(self, shape: BatchShape, steps: int) -> list[float]:
-        s = self.factors.decode_scale
+        s = self._scales[2]
         return [s * t for t in self.base.decode_step_times(shape, steps)]
 
     def shape_work(self, shape: BatchShape, steps: int = 1) -> tuple[float, float]:
@@ -129,8 +187,9 @@ class FactoredCostModel:
         return self.base.breakdown(shape)
 
 
-def apply_factors(cost, factors: CostFactors | None):
-    """``cost`` itself when the factors leave iteration times alone, else it wrapped."""
-    if factors is None or factors.device_neutral:
+def apply_factors(cost, factors: CostFactors | None, stock: bool = False):
+    """``cost`` itself when the factors leave iteration times alone, else it wrapped;
+    ``stock``: ``cost`` is a stock embedding server's (a split's embedding GPU)."""
+    if factors is None or factors.seen_by(stock, cost.lora is not None).device_neutral:
         return cost
-    return FactoredCostModel(cost, factors)
+    return FactoredCostModel(cost, factors, stock)

@@ -21,7 +21,12 @@ from pathlib import Path
 from orthrus_sim import read_structured
 from orthrus_sim.experiment.quantiles import PERCENTILES
 from orthrus_sim.experiment.results import KINDS, SCHEMA
-from orthrus_sim.experiment.scenario import pool_stream
+from orthrus_sim.experiment.scenario import (
+    apply_overrides,
+    load_scenario,
+    pool_stream,
+    scenario_dump,
+)
 
 THROUGHPUT_KEYS = (*KINDS, "combined", "workflow")
 LATENCY_KEYS = (*KINDS, "ttft", "tpot", "workflow")
@@ -154,6 +159,28 @@ def scenario_overrides(value, where: str) -> tuple[str, ...]:
         return tuple(value)
     raise ValueError(f"{where}.scenario_overrides: expected a mapping of scenario fields "
                      "({workload.generation_share: 0.1}) or a list of 'field=value' strings")
+
+
+SCENARIO_OVERRIDE = "scenario"  # ``scenario=NAME`` among a run's overrides: measured under that file
+
+
+def measured_under(base: dict, overrides: tuple[str, ...] | list[str],
+                   flag: str = "scenario_overrides") -> dict:
+    """The scenario (plain data) a run was measured under: ``base`` (the fit's own scenario)
+    with the run's overrides, or, where one of them is ``scenario=NAME`` (a scenario file or a
+    shipped name, ``paper/iter_retgen``), that scenario with the others: one joint fit across
+    experiments whose workloads differ in more than a few fields."""
+    named = [o for o in overrides if o.partition("=")[0].strip() == SCENARIO_OVERRIDE]
+    if len(named) > 1:
+        raise ValueError(f"{flag}: {SCENARIO_OVERRIDE}= given {len(named)} times "
+                         f"({', '.join(named)}); a run is measured under one scenario")
+    if named:
+        name = named[0].partition("=")[2].strip().strip("'\"")
+        try:
+            base = scenario_dump(load_scenario(name))
+        except ValueError as exc:
+            raise ValueError(f"{flag} {named[0]!r}: {exc}") from None
+    return apply_overrides(base, [o for o in overrides if o not in named], flag)
 
 
 def load_measured(paths: list[str | Path], patterns: list[str] | None = None,

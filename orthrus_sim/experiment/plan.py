@@ -38,6 +38,12 @@ class ReplicaPlan:
     model: ModelSpec
     lora: LoRASpec | None  # the embedding adapter this replica applies to embedding rows
 
+    @property
+    def stock(self) -> bool:
+        """A stock embedding server (a split's embedding GPU): the cost factors' stock terms
+        are its alone."""
+        return self.role == "embedding"
+
     def cost_model(self, hardware: Hardware, coefficients: Coefficients) -> CostModel:
         return CostModel(hardware, self.model, coefficients, self.lora)
 
@@ -73,7 +79,7 @@ def replica_cost(scenario: Scenario) -> Callable[[ReplicaPlan], CostModel]:
     coefficients and fitted factors (read once)."""
     hw, coeffs, factors = get_hardware(scenario.hardware), coefficients(scenario), \
         cost_factors(scenario)
-    return lambda plan: apply_factors(plan.cost_model(hw, coeffs), factors)
+    return lambda plan: apply_factors(plan.cost_model(hw, coeffs), factors, plan.stock)
 
 
 def embedding_lora(scenario: Scenario) -> LoRASpec | None:
@@ -89,16 +95,19 @@ def plan_configuration(scenario: Scenario, name: str) -> list[ReplicaPlan]:
     lora = embedding_lora(scenario)
     sch = scenario.scheduler
     gpus = scenario.cluster.gpus
+    factors = cost_factors(scenario)
+    kv_scale = factors.kv_scale if factors is not None else 1.0
 
     def config(model: ModelSpec, adapter: LoRASpec | None, budget: int,
                chunk: int | None, target: float | None = None) -> SchedulerConfig:
         """The section's every field, with this replica's budget, chunking, KV blocks (the
-        memory model's unless the scenario gives them) and the model's length limit; the
+        memory model's, times the calibration's ``kv_scale``, unless the scenario gives them)
+        and the model's length limit; the
         iteration-time target only where given (unified replicas: a split's replicas run as
         the stock servers they stand for)."""
-        blocks = sch.num_blocks or kv_cache_blocks(hw, model, sch.block_size, budget,
-                                                   sch.max_num_seqs,
-                                                   scenario.cluster.memory_utilization, adapter)
+        blocks = sch.num_blocks or max(1, round(kv_scale * kv_cache_blocks(
+            hw, model, sch.block_size, budget, sch.max_num_seqs,
+            scenario.cluster.memory_utilization, adapter)))
         limit = base.max_position_embeddings
         return sch.config(token_budget=budget, chunk_size=chunk, num_blocks=blocks,
                           max_model_len=min(sch.max_model_len or limit, limit), tpot_target_s=target)
@@ -114,8 +123,9 @@ def plan_configuration(scenario: Scenario, name: str) -> list[ReplicaPlan]:
                          "planner as it runs (sim/cluster.py); plan a split as dedicated-N:M")
     first, second = split_gpus(name, gpus)
     if name.startswith("dedicated"):
+        emb_budget = sch.embedding_token_budget or sch.token_budget
         emb = ReplicaPlan("embedding", "embedding-only",
-                          config(emb_model, None, sch.token_budget, None), emb_model, None)
+                          config(emb_model, None, emb_budget, None), emb_model, None)
         gen = ReplicaPlan("generation", "generation", config(base, None, gen_budget, None),
                           base, None)
         return [emb] * first + [gen] * second

@@ -85,6 +85,12 @@ class ClusterSection(Strict):
     role_change_s: float = Field(default=60.0, ge=0, description="dedicated-replan: seconds a "
                                  "GPU serves nothing while it changes role (embedding <-> "
                                  "generation), after its requests in flight drained")
+    front_end: Literal["per-replica", "shared"] = Field(
+        default="per-replica", description="where a request pays the calibration's per-request "
+        "server overheads (cost factors embedding_overhead_s, generation_overhead_s), one "
+        "request at a time: each replica's own server (per-replica), or one process in front "
+        "of the whole cluster before the request is routed (shared: one API server or "
+        "benchmark client for every GPU, so the kinds' overheads queue behind each other)")
 
 
 class _SchedulerExtras(Strict):
@@ -93,6 +99,10 @@ class _SchedulerExtras(Strict):
     policy: str | None = Field(default=None, description="policy for the 'orthrus' configuration")
     generation_token_budget: int | None = Field(default=None, ge=1,
                                                 description="budget of dedicated generation replicas")
+    embedding_token_budget: int | None = Field(
+        default=None, ge=1, description="budget of dedicated embedding replicas (a stock pooling "
+        "server's batch: vLLM's pooling runner takes up to 32,768 tokens of whole inputs and "
+        "max_num_seqs of them); default: token_budget")
 
     @field_validator("policy")
     @classmethod

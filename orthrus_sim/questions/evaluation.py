@@ -22,11 +22,16 @@ from orthrus_sim.costmodel.calibration import (
 )
 from orthrus_sim.costmodel.coefficients import Coefficients
 from orthrus_sim.costmodel.factors import CostFactors
-from orthrus_sim.experiment.measured import ITERATION_RATE, MeasuredRun, iteration_rate
+from orthrus_sim.experiment.measured import (
+    ITERATION_RATE,
+    MeasuredRun,
+    iteration_rate,
+    measured_under,
+)
+from orthrus_sim.experiment.plan import plan_configuration
 from orthrus_sim.experiment.results import _get
 from orthrus_sim.experiment.scenario import (
     Scenario,
-    apply_overrides,
     parse_scenario,
     scenario_dump,
 )
@@ -46,6 +51,8 @@ class Parameter:
     unit: float
     tolerance: float  # largest standard error (in z) of a parameter the measurements pin
     meaning: str
+    # the term every server pays that this stock embedding server's own term specialises
+    specialises: str | None = None
 
     def to_z(self, value: float) -> float:
         return math.log(value) if self.log else value / self.unit
@@ -56,6 +63,19 @@ class Parameter:
     @property
     def z_bounds(self) -> tuple[float, float]:
         return self.to_z(self.low), self.to_z(self.high)
+
+    @property
+    def kind(self) -> str | None:
+        """The kind of request whose costs it carries (None: both, ``overlap``)."""
+        if "embedding" in self.name:
+            return "embedding"
+        return None if self.name == "overlap" else "generation"
+
+    def trades_with(self, overhead: Parameter) -> bool:
+        """Whether this device-time term and ``overhead`` (a per-request overhead) can explain
+        the same slow server: a scale or padding of the overhead's own kind."""
+        return (overhead.name.endswith("_overhead_s") and not self.name.endswith("_overhead_s")
+                and self.kind is not None and self.kind == overhead.kind)
 
 
 PARAMETERS = (
@@ -71,6 +91,18 @@ PARAMETERS = (
               "seconds per embedding request in the server, outside the forward pass"),
     Parameter("generation_overhead_s", 0.0, 0.5, False, 0.01, 0.2,
               "seconds per generation request in the server, outside the forward pass"),
+    Parameter("adapter_scale", 0.2, 10.0, True, 1.0, 0.05,
+              "x the device time of generation rows on a replica with the adapter loaded"),
+    Parameter("kv_scale", 0.1, 2.0, True, 1.0, 0.05,
+              "x the KV cache the memory model gives each replica"),
+    Parameter("stock_embedding_scale", 0.05, 20.0, True, 1.0, 0.05,
+              "x the device time of a stock embedding server's batches (a split's embedding "
+              "GPU), on top of embedding_scale", "embedding_scale"),
+    Parameter("stock_embedding_padding", 0.0, 1.0, False, 0.1, 1.0,
+              "share of the padding to the longest input a stock embedding server's batch pays"),
+    Parameter("stock_embedding_overhead_s", 0.0, 0.5, False, 0.01, 0.2,
+              "seconds per embedding request in a stock embedding server's front end, on top "
+              "of embedding_overhead_s", "embedding_overhead_s"),
 )
 BY_NAME = {p.name: p for p in PARAMETERS}
 STEP = 0.15  # finite-difference step, in z (15 % of a scale, 1.5 ms of an overhead)
@@ -88,8 +120,15 @@ def _case_metrics(task: Task) -> dict:
 
 class Simulations:
     """The cases (a configuration under scenario overrides) simulated at given cost factors:
-    cached by factors, every case of every new factor set one task, in one process pool kept
-    for the caller's block (``with``), so a fit pays the workers' start once."""
+    cached by factors, in one process pool kept for the caller's block (``with``), so a fit
+    pays the workers' start once.
+
+    A case is simulated at the factors as its replicas pay them (``CostFactors.seen_by``: a
+    split without a stock embedding server does not see its terms, a configuration without
+    the adapter loaded not ``adapter_scale``), so a factor set that differs from one simulated
+    already only in terms a case does not pay reuses that case's run: a finite difference of
+    ``adapter_scale`` simulates only the configurations that load the adapter. The longest
+    tasks go first (each case's last run time), so the pool's workers end together."""
 
     def __init__(self, scenario: Scenario, prior: CalibrationFile | None, cases: list[Case],
                  workers: int, tmp: Path) -> None:
@@ -98,16 +137,24 @@ class Simulations:
         for overrides in dict.fromkeys(ov for ov, _ in cases):
             configs = list(dict.fromkeys(cfg for ov, cfg in cases if ov == overrides))
             where = "fit scenario" + (f" at {', '.join(overrides)}" if overrides else "")
-            raw = apply_overrides(base, list(overrides), "scenario_overrides")
+            raw = measured_under(base, overrides)
             # every measured configuration must fit the scenario under its overrides
             self.raws[overrides] = scenario_dump(parse_scenario(raw | {"configurations": configs},
                                                                 where))
         self.cases = list(dict.fromkeys(cases))
+        self._pays = {}  # case -> (stock, adapter): which of the arrangement's terms it pays
+        for ov, cfg in self.cases:
+            plans = plan_configuration(parse_scenario(self.raws[ov], "fit scenario"), cfg)
+            self._pays[ov, cfg] = (any(p.stock for p in plans),
+                                   any(p.lora is not None for p in plans))
         self.prior = prior
         self.scenario = scenario
         self.workers = workers
         self.tmp = tmp
         self.cache: dict[tuple, dict[Case, dict]] = {}
+        self._runs: dict[tuple[Case, tuple], dict] = {}  # (case, factors it pays) -> metrics
+        self._seconds: dict[Case, float] = {}  # each case's last simulation, wall seconds
+        self.simulations = 0  # simulations run (a factor set is one per case it changes)
         self._pool = None
 
     def __enter__(self) -> Simulations:
@@ -125,23 +172,32 @@ class Simulations:
 
     def simulate(self, batch: list[CostFactors]) -> list[dict[Case, dict]]:
         """``{case: metrics}`` at each of the factors."""
-        tasks: list[tuple[tuple, Case, Task]] = []
+        tasks: dict[tuple[Case, tuple], Task] = {}
         for f in batch:
-            key = tuple(f.as_dict().values())
-            if key in self.cache or any(k == key for k, _, _ in tasks):
+            if _key(f) in self.cache:
                 continue
-            digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-            path = self.tmp / f"cal-{digest}.json"
-            save_calibration(self.calibration(f), path)
-            for ov, cfg in self.cases:
+            for case in self.cases:
+                seen = f.seen_by(*self._pays[case])
+                run = (case, _key(seen))
+                if run in self._runs or run in tasks:
+                    continue
+                digest = hashlib.sha256(repr(run[1]).encode()).hexdigest()[:16]
+                path = self.tmp / f"cal-{digest}.json"
+                if not path.exists():
+                    save_calibration(self.calibration(seen), path)
+                ov, cfg = case
                 raw = self.raws[ov] | {"calibration": str(path), "configurations": [cfg]}
-                tasks.append((key, (ov, cfg), Task(raw, cfg, f"{digest} {cfg}")))
+                tasks[run] = Task(raw, cfg, f"{digest} {cfg}")
         if tasks:
-            done: dict[tuple, dict[Case, dict]] = {}
-            for (key, case, _), metrics in zip(tasks, self._run([t for _, _, t in tasks])):
-                done.setdefault(key, {})[case] = metrics
-            self.cache.update(done)
-        return [self.cache[tuple(f.as_dict().values())] for f in batch]
+            order = sorted(tasks, key=lambda run: -self._seconds.get(run[0], math.inf))
+            for run, metrics in zip(order, self._run([tasks[r] for r in order])):
+                self._runs[run] = metrics
+                self._seconds[run[0]] = metrics.get("sim_wall_s") or 0.0
+            self.simulations += len(tasks)
+        for f in batch:
+            self.cache.setdefault(_key(f), {case: self._runs[case, _key(f.seen_by(*self._pays[case]))]
+                                            for case in self.cases})
+        return [self.cache[_key(f)] for f in batch]
 
     def _run(self, tasks: list[Task]) -> list[dict]:
         try:
@@ -152,6 +208,10 @@ class Simulations:
             return [f.result() for f in [self._pool.submit(_case_metrics, t) for t in tasks]]
         except Exception as exc:
             raise RuntimeError(f"fit: a simulation failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _key(factors: CostFactors) -> tuple:
+    return tuple(factors.as_dict().values())
 
 
 class Evaluator(Simulations):

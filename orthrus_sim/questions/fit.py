@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import least_squares
 
 from orthrus_sim.costmodel import load_calibration
 from orthrus_sim.costmodel.calibration import (
@@ -43,10 +42,18 @@ from orthrus_sim.questions.evaluation import (
     Parameter,
     factors_at,
     jacobian,
+    jacobians,
 )
-from orthrus_sim.questions.ranges import profile
+from orthrus_sim.questions.ranges import Trials, profile
 
 DETERMINED = 0.05  # a unit change moving the metrics (norm of log ratios) less: undetermined
+DAMPING = 1e-2  # Levenberg-Marquardt's first damping, relative to the normal matrix's diagonal
+FTOL = 1e-3  # a step gaining less of the misfit than this share ends the least squares
+# (a simulation's metrics jump by a few tenths of a per cent as the factors move: below
+# that, steps chase the jumps)
+XTOL = 1e-3  # ... and one moving every parameter less than this (in z) on a fresh Jacobian
+MAX_STEP = 1.5  # the longest step of one parameter, in z (an e^1.5 of a scale, 15 ms)
+REFUSALS = 3  # failed steps in a row on a fresh Jacobian that end the least squares
 NOISE = 0.01  # floor of the metrics' scatter (log ratio) in the standard errors
 SPREAD = 0.10  # the measurements' stated spread (relative), unless told
 
@@ -60,6 +67,7 @@ class FitResult:
     notes: list[str] = field(default_factory=list)
     misses: list[dict] = field(default_factory=list)  # metrics further than the spread
     tried: list[str] = field(default_factory=list)  # what the fit tried before giving up
+    simulations: int = 0  # simulations run (``evaluations``: factor sets, each all the runs)
 
 
 def determined(jac: np.ndarray, names: list[str], limit: int) -> tuple[list[str], dict[str, float]]:
@@ -153,9 +161,9 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
             found = _probe(ev, current, todo, fitted, say)
             if found is None:
                 break
-            name, value = found
-            current = replace(current, **{name: value})
-            fitted = [n for n in free if n in fitted or n == name]
+            moved = [n for n in todo if getattr(found, n) != getattr(current, n)]
+            current = found
+            fitted = [n for n in free if n in fitted or n in moved]
         tried: list[str] = []
         if _misses(ev, current, spread):
             current, fitted, errors, tried = _rescue(ev, prior, current, fitted, free, spread, say)
@@ -200,7 +208,8 @@ def fit(scenario: Scenario, runs: list[MeasuredRun], workers: int = 1,
                          "(another arrangement than the prior's, a cost no factor carries, or "
                          "runs measured under other settings than the scenario's)")
         notes += _trade_notes(ends, current)
-        return FitResult(cal, resid_rows, params, len(ev.cache), notes, misses, tried)
+        return FitResult(cal, resid_rows, params, len(ev.cache), notes, misses, tried,
+                         ev.simulations)
 
 
 def _trade_notes(ends: list, at: CostFactors) -> list[str]:
@@ -256,40 +265,49 @@ def _corner(p: Parameter, at: float, side: str) -> float:
 
 def _rescue(ev: Evaluator, prior: CostFactors, current: CostFactors, fitted: list[str],
             free: list[str], spread: float, say: Callable[[str], None]):
-    """A fit that misses its inputs, tried harder: each parameter left out freed alone (from a
-    few values), then the fitted ones restarted from far below and far above. The best fit
-    found is kept if it fits better. Returns it, what it fits, standard errors and what was
-    tried (each with its RMS log residual)."""
+    """A fit that misses its inputs, tried harder: each parameter left out freed alone (at a
+    few values), the overheads left out freed together (on a shared front end they show only
+    together), the fitted ones restarted from far below and far above (and an overhead among
+    them from a few values: it trades against a scale along a narrow valley). Every start is
+    refitted by one step on the fit's Jacobian, all in two batches; the least squares then
+    runs from the best, which is kept if it fits better. Returns it, what it fits, standard
+    errors and what was tried (each with the RMS log residual its start reached)."""
     best, best_fitted, best_rms = current, list(fitted), _rms(ev, current)
-    tried = []
-    for name in [n for n in free if n not in fitted]:
-        say(f"missed inputs: freeing {name}")
-        p = BY_NAME[name]
-        outcome = math.inf
-        for start in dict.fromkeys([getattr(current, name), *_probe_values(p, getattr(current, name))]):
-            names = [*fitted, name]
-            res = _least_squares(ev, replace(current, **{name: start}), names, max_nfev=8)
-            f = factors_at(replace(current, **{name: start}), names, res.x)
-            rms = _rms(ev, f)
-            outcome = min(outcome, rms)
-            if rms < best_rms - 1e-4:
-                best, best_fitted, best_rms = f, [n for n in free if n in names], rms
-        tried.append(f"{name} freed (RMS {outcome:.3f})")
-    starts = [] if not fitted else [
-        (f"from far {'below' if side == 'low' else 'above'}",
-         replace(current, **{n: _corner(BY_NAME[n], getattr(current, n), side) for n in fitted}))
-        for side in ("low", "high")]
-    # a per-request overhead trades against a scale along a narrow valley: restart it elsewhere
-    starts += [(f"with {n} = {v:g} s", replace(current, **{n: v})) for n in fitted
-               if n.endswith("_overhead_s") for v in _probe_values(BY_NAME[n], getattr(current, n))]
-    for label, start in starts:
-        say(f"missed inputs: restarting {', '.join(fitted)} {label}")
-        res = _least_squares(ev, start, fitted, max_nfev=10)
-        f = factors_at(start, fitted, res.x)
-        rms = _rms(ev, f)
-        tried.append(f"{', '.join(fitted)} restarted {label} (RMS {rms:.3f})")
-        if rms < best_rms - 1e-4:
-            best, best_fitted, best_rms = f, list(fitted), rms
+    left = [n for n in free if n not in fitted]
+    starts: list[tuple[str, tuple[str, ...], CostFactors]] = [
+        (f"{n} freed", (n,), replace(current, **{n: v})) for n in left
+        for v in _probe_values(BY_NAME[n], getattr(current, n))]
+    # overheads paid on one shared front end queue the kinds behind each other: only
+    # together do they show, so they are freed together too
+    hidden = tuple(n for n in left if n.endswith("_overhead_s"))
+    if len(hidden) > 1:
+        starts += [(f"{', '.join(hidden)} freed together", hidden,
+                    replace(current, **dict.fromkeys(hidden, v))) for v in JOINT_OVERHEADS_S]
+    if fitted:
+        starts += [(f"{', '.join(fitted)} restarted from far "
+                    f"{'below' if side == 'low' else 'above'}", (),
+                    replace(current, **{n: _corner(BY_NAME[n], getattr(current, n), side)
+                                        for n in fitted})) for side in ("low", "high")]
+        starts += [(f"{', '.join(fitted)} restarted with {n} = {v:g} s", (),
+                    replace(current, **{n: v})) for n in fitted if n.endswith("_overhead_s")
+                   for v in _probe_values(BY_NAME[n], getattr(current, n))]
+    say(f"missed inputs: {len(starts)} other starts")
+    trials = _fit_trials(ev, current, fitted)
+    outcomes = trials.run_from([f for _, _, f in starts])
+    reached: dict[str, float] = {}
+    for (label, _, _), (_, growth) in zip(starts, outcomes):
+        rms = math.sqrt(max(trials.ssr0 + growth, 0.0) / max(len(ev.targets), 1))
+        reached[label] = min(reached.get(label, math.inf), rms)
+    tried = [f"{label} (RMS {rms:.3f})" for label, rms in reached.items()]
+    (label, freed, _), (start, growth) = min(zip(starts, outcomes), key=lambda s: s[1][1],
+                                             default=(("", (), current), (current, 0.0)))
+    if growth < 0:
+        names = [n for n in free if n in fitted or n in freed]
+        say(f"missed inputs: fitting {', '.join(names)} from the best start ({label})")
+        res = _least_squares(ev, start, names, max_nfev=8)
+        f = factors_at(start, names, res.x)
+        if _rms(ev, f) < best_rms - 1e-4:
+            best, best_fitted = f, names
     if best is current:
         best, best_fitted, errors = current, fitted, _errors(ev, current, fitted)
     else:
@@ -313,24 +331,42 @@ def _pinned_fit(ev: Evaluator, prior: CostFactors, current: CostFactors, fitted:
     measurements (a 1 % error in them moves it by more than its tolerance), return the worst
     to its prior and refit the rest. Returns the fit, what stayed fitted, standard errors."""
     fitted = list(fitted)
+    start_jac = None  # after parameters leave: the last Jacobian without their columns
     while fitted:
         say(f"fitting {', '.join(fitted)}")
         base = replace(prior, **{n: getattr(current, n) for n in fitted})
-        res = _least_squares(ev, base, fitted)
+        res = _least_squares(ev, base, fitted, jac0=start_jac)
         current = factors_at(base, fitted, res.x)
         jac = jacobian(ev, current, fitted, res.x)
-        pinning = {n: float(e) for n, e in zip(fitted, standard_errors(jac))}
-        errors = {n: float(e) for n, e in zip(fitted, standard_errors(jac, res.fun))}
-        worst = max(fitted, key=lambda n: pinning[n] / BY_NAME[n].tolerance)
-        if pinning[worst] <= BY_NAME[worst].tolerance:
+        kept = list(fitted)
+        # the worst-pinned leaves and the rest are judged again on the same Jacobian (a
+        # parameter's pinning depends on which others are fitted beside it), so one refit
+        # serves every parameter that leaves
+        while kept:
+            cols = [fitted.index(n) for n in kept]
+            pinning = dict(zip(kept, (float(e) for e in standard_errors(jac[:, cols]))))
+            worst = max(kept, key=lambda n: pinning[n] / BY_NAME[n].tolerance)
+            if pinning[worst] <= BY_NAME[worst].tolerance:
+                break
+            general = BY_NAME[worst].specialises
+            if general in kept and pinning[general] > BY_NAME[general].tolerance:
+                # a stock server's own term and the one every server pays, neither pinned: the
+                # cost is the stock server's (the only one seen paying it); the other's range
+                # carries every server paying it
+                worst = general
+            say(f"{worst} is not pinned by the measurements (a 1 % error in them moves it by "
+                f"{pinning[worst]:.3g} > {BY_NAME[worst].tolerance:g}): back to its prior")
+            kept.remove(worst)
+        if kept == fitted:
+            errors = {n: float(e) for n, e in zip(fitted, standard_errors(jac, res.fun))}
             return current, fitted, errors
-        say(f"{worst} is not pinned by the measurements (a 1 % error in them moves it by "
-            f"{pinning[worst]:.3g} > {BY_NAME[worst].tolerance:g}): back to its prior")
-        fitted.remove(worst)
-        current = replace(current, **{worst: getattr(prior, worst)})
+        start_jac = jac[:, [fitted.index(n) for n in kept]]
+        current = replace(current, **{n: getattr(prior, n) for n in fitted if n not in kept})
+        fitted = kept
     return prior, [], {}
 
 
+JOINT_OVERHEADS_S = (0.01, 0.05)  # where a missed fit frees every hidden overhead together
 PROBE_GAIN = 0.8  # a probe is taken when its squared residuals are below this share of the fit's
 
 
@@ -344,40 +380,95 @@ def _probe_values(p: Parameter, at: float) -> list[float]:
 
 
 def _probe(ev: Evaluator, at: CostFactors, names: list[str], fitted: list[str],
-           say: Callable[[str], None]) -> tuple[str, float] | None:
-    """The (parameter, value) that lowers the squared residuals most, if below ``PROBE_GAIN``
-    of theirs at ``at``: a brief fit of it and ``fitted`` from each of a few starting values
-    of it (a hidden parameter often trades against a fitted one, a per-request overhead
-    against a scale)."""
+           say: Callable[[str], None]) -> CostFactors | None:
+    """Where a parameter left out fits much better: each of ``names`` set to a few values
+    (``_probe_values``) with the fitted ones refitted by one Gauss-Newton step on the fit's
+    Jacobian (a hidden parameter often trades against a fitted one, a per-request overhead
+    against a scale), all in two batches of simulations. The best such factor set, if its
+    squared residuals are below ``PROBE_GAIN`` of the fit's, else None."""
     if not names:
         return None
-    r0 = ev.residuals(ev.simulate([at])[0])
-    base = float(np.sum(r0 ** 2))
-    best, best_cost = None, PROBE_GAIN * base
-    for name in names:
-        values = _probe_values(BY_NAME[name], getattr(at, name))
-        sims = ev.simulate([replace(at, **{name: v}) for v in values])
-        if all(np.array_equal(ev.residuals(x), r0) for x in sims):
-            continue  # no effect anywhere on these measurements
-        say(f"probing {name}")
-        for value in values:
-            res = _least_squares(ev, replace(at, **{name: value}), [*fitted, name], max_nfev=4)
-            if 2 * res.cost < best_cost:
-                best, best_cost = (name, BY_NAME[name].from_z(float(res.x[-1]))), 2 * res.cost
-    if best is not None:
-        say(f"{best[0]} = {best[1]:.4g} fits better: fitting it too")
-    return best
+    say(f"probing {', '.join(names)}")
+    trials = _fit_trials(ev, at, fitted)
+    moves = [(n, v) for n in names for v in _probe_values(BY_NAME[n], getattr(at, n))]
+    best = min(zip(moves, trials.run(moves)), key=lambda m: m[1][1], default=None)
+    if best is None or trials.ssr0 + best[1][1] >= PROBE_GAIN * trials.ssr0:
+        return None
+    (name, value), (found, _) = best
+    say(f"{name} = {value:.4g} fits better: fitting it too")
+    return found
 
 
-def _least_squares(ev: Evaluator, base: CostFactors, names: list[str], max_nfev: int = 30):
-    """Bounded least squares over ``names`` from ``base``, log-ratio residuals."""
-    z0 = np.array([BY_NAME[n].to_z(getattr(base, n)) for n in names])
+def _fit_trials(ev: Evaluator, at: CostFactors, fitted: list[str]) -> Trials:
+    """Trial factor sets from ``at``, the fitted ones refitted by one step on its Jacobian."""
+    z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
+    jac = jacobian(ev, at, fitted, z) if fitted else np.zeros((len(ev.targets), 0))
+    return Trials(ev, at, fitted, jac)
+
+
+@dataclass
+class Solution:
+    """Where a least-squares fit ended: z, the log residuals there and half their squares."""
+
+    x: np.ndarray
+    fun: np.ndarray
+    cost: float
+    points: int  # factor sets it simulated (finite differences included)
+
+
+def _least_squares(ev: Evaluator, base: CostFactors, names: list[str], max_nfev: int = 30,
+                   jac0: np.ndarray | None = None) -> Solution:
+    """Bounded least squares over ``names`` from ``base``, log-ratio residuals: Levenberg-
+    Marquardt in z, steps clipped to the bounds.
+
+    A simulation is what a fit pays for, so the Jacobian is taken by finite differences
+    (``jacobian``: one simulation per parameter) only at the start and when a step on the
+    current one fails; after an accepted step it is updated from that step alone (Broyden's
+    rank-one update), so most iterations cost one simulation of the measured runs rather
+    than one per parameter. Stops when a step gains under ``FTOL`` of the misfit, moves under
+    ``XTOL`` in z on a fresh Jacobian, or after ``max_nfev`` steps. ``jac0``: a Jacobian taken
+    near ``base`` to start from (a refit after a parameter left), treated as an update's."""
     lo = np.array([BY_NAME[n].z_bounds[0] for n in names])
     hi = np.array([BY_NAME[n].z_bounds[1] for n in names])
-    return least_squares(
-        lambda z: ev.residuals(ev.simulate([factors_at(base, names, z)])[0]), z0,
-        jac=lambda z: jacobian(ev, base, names, z), bounds=(lo, hi), method="trf",
-        x_scale=1.0, xtol=1e-4, ftol=1e-6, gtol=1e-8, max_nfev=max_nfev)
+    z = np.clip(np.array([BY_NAME[n].to_z(getattr(base, n)) for n in names]), lo, hi)
+    if jac0 is None:
+        r, jac = jacobians(ev, [base], names, [z])[0]
+        points, fresh = 1 + len(names), True
+    else:
+        r, jac = ev.residuals(ev.simulate([factors_at(base, names, z)])[0]), jac0
+        points, fresh = 1, False
+    cost, damping, refused = 0.5 * float(r @ r), DAMPING, 0
+    for _ in range(max_nfev):
+        normal, gradient = jac.T @ jac, jac.T @ r
+        step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-9), -gradient)
+        step *= min(1.0, MAX_STEP / max(float(np.max(np.abs(step), initial=0.0)), 1e-12))
+        z_new = np.clip(z + step, lo, hi)
+        moved = z_new - z
+        promised = -float(gradient @ moved) - 0.5 * float(moved @ normal @ moved)
+        if float(np.max(np.abs(moved), initial=0.0)) < XTOL or promised < FTOL * cost:
+            if fresh:
+                break  # the model promises nothing more: at the fit (or at the noise)
+            r, jac = jacobians(ev, [base], names, [z])[0]
+            points, fresh = points + len(names), True
+            continue
+        r_new = ev.residuals(ev.simulate([factors_at(base, names, z_new)])[0])
+        points += 1
+        cost_new = 0.5 * float(r_new @ r_new)
+        if cost_new < cost:
+            jac = jac + np.outer(r_new - r - jac @ moved, moved) / float(moved @ moved)
+            gain = cost - cost_new
+            z, r, cost, fresh, refused = z_new, r_new, cost_new, False, 0
+            damping = max(damping / 3, 1e-6)
+            if gain < FTOL * (cost + gain):
+                break
+        elif not fresh:  # the updated Jacobian misled the step: take it afresh here
+            r, jac = jacobians(ev, [base], names, [z])[0]
+            points, fresh = points + len(names), True
+        else:
+            damping, refused = damping * 4, refused + 1
+            if refused == REFUSALS:
+                break  # steps on a fresh Jacobian keep failing: the misfit is at its noise
+    return Solution(z, r, cost, points)
 
 
 def _sensitivity(ev: Evaluator, at: CostFactors) -> dict[str, float]:

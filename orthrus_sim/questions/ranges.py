@@ -8,7 +8,7 @@ move of one parameter, the others refitted (a profile of the fit's misfit). A fi
 parameter's ends come from the fit's Jacobian (a linear profile; the fitted ones move with it
 as the Jacobian says they would refit); a parameter the fit left undetermined is moved to its
 bound, or halfway back while that grows the misfit too much, the fitted ones refitted
-(``_Trials``); where the measurements stopped it, the fitted ones are moved on from there
+(``Trials``); where the measurements stopped it, the fitted ones are moved on from there
 (``_corners``: an overhead that binds frees the scale it hid). Every end is then simulated once,
 which records its actual misfit growth and the measured configurations' other metrics there
 (the candidates of ``predict.suggest``).
@@ -35,8 +35,8 @@ from orthrus_sim.questions.evaluation import (
 )
 
 Z = 2.0  # ends at a 2-sigma move of one parameter
-BISECT = 3  # halvings towards an undetermined parameter's farthest allowed value
-REFIT_STEPS = 2  # Gauss-Newton steps on a fresh Jacobian for a trial still past the budget
+BISECT = 2  # halvings towards an undetermined parameter's farthest allowed value
+REFIT_STEPS = 1  # more Gauss-Newton steps (its own updated Jacobian) for a trial past the budget
 SHRINK = 1.5  # a simulated end this far above the allowed growth is pulled in once
 
 # what a bench of a measured configuration can report besides what was fitted (kind: that
@@ -88,12 +88,14 @@ def _linear_end(jac: np.ndarray, at: CostFactors, fitted: list[str], name: str, 
     return factors_at(at, fitted, z + length * d), bound
 
 
-class _Trials:
+class Trials:
     """Factor sets with one parameter set to a value and the fitted ones refitted: one
     Gauss-Newton step on the fit's Jacobian, then, while the misfit still grows past the
-    budget, up to ``REFIT_STEPS`` more on a Jacobian taken where each starts (a per-request
-    overhead hides behind the device until it binds, so the fit's Jacobian cannot say how far
-    a scale must give way to it). Simulated in batches; the best point of each kept."""
+    budget, up to ``REFIT_STEPS`` more, each on the Jacobian updated by the trial's own last
+    step (``_updated``: a per-request overhead hides behind the device until it binds, so the
+    fit's Jacobian cannot say how far a scale must give way to it; the step shows it, at one
+    simulation where a new Jacobian costs one per fitted parameter), or on a fresh one where a
+    step gained nothing. Simulated in batches; the best point of each kept."""
 
     def __init__(self, ev: Evaluator, at: CostFactors, fitted: list[str], jac: np.ndarray,
                  budget: float = math.inf, ssr0: float | None = None) -> None:
@@ -112,24 +114,57 @@ class _Trials:
 
     def run(self, moves: list[tuple[str, float]]) -> list[tuple[CostFactors, float]]:
         """(factors, misfit growth) for each (parameter, value)."""
-        first = [replace(self.at, **{n: v}) for n, v in moves]
+        return self.run_from([replace(self.at, **{n: v}) for n, v in moves])
+
+    def run_from(self, first: list[CostFactors]) -> list[tuple[CostFactors, float]]:
+        """(factors, misfit growth) from each start, the fitted ones refitted (the start's
+        values of them are where the step begins)."""
         r1 = [self.ev.residuals(s) for s in self.ev.simulate(first)]
         best = [(f, _ssr(r)) for f, r in zip(first, r1)]
         if self.fitted:
-            todo = list(range(len(first)))
-            points = self._step(first, r1, [self.jac] * len(first))
+            # a start that changes no measured metric from the fit needs no refit, nor one
+            # already within a (finite) budget: the move is allowed as it stands
+            r_at = self.ev.residuals(self.ev.simulate([self.at])[0])
+            todo = [i for i in range(len(first)) if not np.array_equal(r1[i], r_at)
+                    and not best[i][1] - self.ssr0 <= self.budget < math.inf]
+            points = self._step([first[i] for i in todo], [r1[i] for i in todo],
+                                [self.jac] * len(todo))
+            last = {i: (first[i], r1[i], self.jac) for i in todo}  # each trial's last point
             for step in range(REFIT_STEPS + 1):
+                stalled = set()  # trials whose step gained nothing: their Jacobian misled it
                 for i, f, s in zip(todo, points, self.ev.simulate(points)):
-                    c = _ssr(self.ev.residuals(s))
+                    r = self.ev.residuals(s)
+                    c = _ssr(r)
+                    last[i] = (f, r, _updated(*last[i], f, r, self.fitted))
                     if c < best[i][1]:
                         best[i] = (f, c)
+                    else:
+                        stalled.add(i)
                 todo = [i for i in todo if best[i][1] - self.ssr0 > self.budget]
                 if step == REFIT_STEPS or not todo:
                     break
-                starts = [best[i][0] for i in todo]
-                at_starts = jacobians(self.ev, starts, self.fitted)
-                points = self._step(starts, [r for r, _ in at_starts], [j for _, j in at_starts])
+                # a stalled trial takes a fresh Jacobian where it stands (an overhead hidden
+                # where the fit was has no column there, and a step along none updates none)
+                fresh = [i for i in todo if i in stalled]
+                for i, (r, jac) in zip(fresh, jacobians(self.ev, [best[i][0] for i in fresh],
+                                                        self.fitted)):
+                    last[i] = (best[i][0], r, jac)
+                points = self._step([last[i][0] for i in todo], [last[i][1] for i in todo],
+                                    [last[i][2] for i in todo])
         return [(f, c - self.ssr0) for f, c in best]
+
+
+def _updated(f0: CostFactors, r0: np.ndarray, jac: np.ndarray, f1: CostFactors, r1: np.ndarray,
+             names: list[str]) -> np.ndarray:
+    """``jac`` updated by the step from ``f0`` to ``f1`` (Broyden's rank-one update: the
+    residuals' change along the step, which a refit's next step then trusts instead of a
+    finite difference per parameter)."""
+    step = np.array([BY_NAME[n].to_z(getattr(f1, n)) - BY_NAME[n].to_z(getattr(f0, n))
+                     for n in names])
+    norm = float(step @ step)
+    if norm < 1e-12:
+        return jac
+    return jac + np.outer(r1 - r0 - jac @ step, step) / norm
 
 
 def _midpoint(name: str, near: float, far: float) -> float:
@@ -143,7 +178,7 @@ def _midpoint(name: str, near: float, far: float) -> float:
     return (near + far) / 2
 
 
-def _refitted_ends(trials: _Trials, names: list[str], budget: float, say: Callable[[str], None],
+def _refitted_ends(trials: Trials, names: list[str], budget: float, say: Callable[[str], None],
                    halvings: int = BISECT) -> dict[tuple[str, str], tuple[CostFactors, bool]]:
     """Each parameter the fit left out moved to either bound, or as near it as the budget
     allows (halving the step ``halvings`` times), the fitted ones refitted."""
@@ -182,7 +217,7 @@ def _refitted_ends(trials: _Trials, names: list[str], budget: float, say: Callab
     return out
 
 
-def _corners(trials: _Trials, ends: dict[tuple[str, str], tuple[CostFactors, bool]],
+def _corners(trials: Trials, ends: dict[tuple[str, str], tuple[CostFactors, bool]],
              budget: float, say: Callable[[str], None]) -> dict[tuple, tuple[CostFactors, bool]]:
     """The far corners of trades. A per-request overhead explains a slow server as well as a
     device-time scale does: it grows, hidden behind the device, until it binds, and from
@@ -193,12 +228,17 @@ def _corners(trials: _Trials, ends: dict[tuple[str, str], tuple[CostFactors, boo
     fitted = trials.fitted
     out: dict[tuple, tuple[CostFactors, bool]] = {}
     for key, (f, bound) in ends.items():
-        if bound or f == trials.at or not fitted:
+        traded = [n for n in fitted if BY_NAME[n].trades_with(BY_NAME[key[0]])]
+        if bound or f == trials.at or not traded:
             continue
-        for name in fitted:
+        # the end's own column (the fit's has none for it: the measurements did not see it
+        # there), beside the fit's columns of the others; the refits' updates correct them
+        column = jacobians(trials.ev, [f], [key[0]])[0][1]
+        for name in traded:
             refit = [n for n in fitted if n != name] + [key[0]]
-            jac_f = jacobians(trials.ev, [f], refit)[0][1]  # the fit's has no column for it
-            inner = _Trials(trials.ev, f, refit, jac_f, budget, trials.ssr0)
+            jac_f = np.column_stack([trials.jac[:, fitted.index(n)] for n in refit[:-1]]
+                                    + [column[:, 0]])
+            inner = Trials(trials.ev, f, refit, jac_f, budget, trials.ssr0)
             for (_, side), (g, _bound) in _refitted_ends(inner, [name], budget, say, 1).items():
                 if g != f:
                     out[(*key, f"{name} {side}")] = (g, _bound)
@@ -227,7 +267,7 @@ def profile(ev: Evaluator, at: CostFactors, fitted: list[str], movable: list[str
     budget = (Z * spread) ** 2
     z = np.array([BY_NAME[n].to_z(getattr(at, n)) for n in fitted])
     jac = jacobian(ev, at, fitted, z) if fitted else np.zeros((len(ev.targets), 0))
-    trials = _Trials(ev, at, fitted, jac, budget)
+    trials = Trials(ev, at, fitted, jac, budget)
     raw = {(n, s): _linear_end(jac, at, fitted, n, s, budget)
            for n in fitted if n in movable for s in ("low", "high")}
     raw |= _refitted_ends(trials, [n for n in movable if n not in fitted], budget, say)

@@ -14,6 +14,7 @@ from orthrus_sim.experiment.plan import cost_factors, dedicated_plans, plan_conf
 from orthrus_sim.experiment.scenario import Scenario, is_replan, split_gpus
 from orthrus_sim.routing.replan import ReplanningSplit, initial_split, split_planner
 from orthrus_sim.routing.rules import RouterRule, closed_loop
+from orthrus_sim.sim.front_end import FrontEnd
 from orthrus_sim.sim.replica import Replica
 
 
@@ -38,6 +39,12 @@ class Cluster:
         self.hardware = get_hardware(scenario.hardware)
         factors = cost_factors(scenario)
         priced = replica_cost(scenario)
+        # a shared front end: every request pays its overhead there, one at a time for the
+        # cluster, before it is routed; the replicas then have none of their own
+        shared = factors is not None and scenario.cluster.front_end == "shared"
+        stock = name.startswith("dedicated")  # its embeddings go to a stock embedding server
+        self._front = FrontEnd(env, lambda kind: factors.overhead_s(kind, stock), self._route) \
+            if shared else None
 
         def cost(plan):
             if cost_factory is not None:  # tests replace the roofline
@@ -52,7 +59,7 @@ class Cluster:
         def replica(i, plan):
             model = cost(plan)
             return Replica(env, i, plan.role, policy(plan, model), model, self._on_leave,
-                           fast_forward, factors)
+                           fast_forward, factors, not shared)
 
         if is_replan(name):
             self._replanning(scenario, cost, policy, replica)
@@ -94,6 +101,12 @@ class Cluster:
                                       pause)
 
     def submit(self, request: Request) -> None:
+        if self._front is not None:
+            self._front.submit(request)
+            return
+        self._route(request)
+
+    def _route(self, request: Request) -> None:
         replica = self.router.route(request)
         if replica is None:
             request.reject(f"configuration {self.name} has no replica serving "

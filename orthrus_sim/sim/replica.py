@@ -24,10 +24,12 @@ from itertools import accumulate
 import simpy
 from simpy.events import Timeout
 
+from orthrus_sim.costmodel.factors import padded
 from orthrus_sim.costmodel.shape import BatchShape
 from orthrus_sim.engine.decode_run import complete_decode_run, decode_run_length, run_on
 from orthrus_sim.engine.policy import Policy
-from orthrus_sim.engine.request import Request, RequestKind
+from orthrus_sim.engine.request import Request
+from orthrus_sim.sim.front_end import FrontEnd
 
 
 @dataclass(slots=True)
@@ -85,7 +87,7 @@ class Replica:
 
     def __init__(self, env: simpy.Environment, index: int, role: str, policy: Policy, cost,
                  on_leave: Callable[[Request, Replica], None], fast_forward: bool = True,
-                 factors=None) -> None:
+                 factors=None, front_end: bool = True) -> None:
         self.env = env
         self.index = index
         self.role = role
@@ -112,9 +114,14 @@ class Replica:
         # (``CostFactors``' per-request overheads: they occupy the server, not the device).
         # With factors, every request passes the front end, even at 0 s: a fit moves the
         # overheads from 0 without the simulation changing its path there
-        self._overhead = {k.value: factors.overhead_s(k.value) for k in RequestKind} \
-            if factors is not None and role != "decode" else {}
-        self._front = simpy.Resource(env, 1) if self._overhead else None
+        # (``front_end`` False: the cluster's shared front end takes them instead)
+        # (a split's embedding GPU is a stock embedding server: its role read at each request,
+        # as a re-planning split's GPU changes it)
+        self._factors = factors
+        self._front = FrontEnd(env, lambda kind: factors.overhead_s(kind, self.role == "embedding"),
+                               self._admit) \
+            if factors is not None and front_end and role != "decode" else None
+        self._padding = self._stock_padding()
         if fast_forward and policy.decode_runs:
             policy.use_cohort()
         # a role change asked for (``change_role``): what to become once drained
@@ -132,8 +139,7 @@ class Replica:
 
     def _drained(self) -> bool:
         front = self._front
-        return not self._work and not self._inbox and (
-            front is None or (not front.count and not front.queue))
+        return not self._work and not self._inbox and (front is None or not front.inside)
 
     def _become(self):
         role, policy, cost, pause_s, ready = self._next_role
@@ -143,9 +149,17 @@ class Replica:
         self.role, self.policy, self.cost = role, policy, cost
         self.adapter = getattr(cost, "lora", None) is not None
         self.merged = False
+        self._padding = self._stock_padding()
         if self.fast_forward and policy.decode_runs:
             policy.use_cohort()
         ready(self)
+
+    def _stock_padding(self) -> float:
+        """A stock embedding server prices its batches padded to their longest input (a
+        share of the padding): a split's embedding GPU only."""
+        if self._factors is None or self.role != "embedding":
+            return 0.0
+        return self._factors.stock_embedding_padding
 
     def merge_adapter(self, merged: bool) -> None:
         """Run embeddings with the adapter merged into the weights (as a dedicated embedding
@@ -160,14 +174,8 @@ class Replica:
 
     def submit(self, request: Request) -> None:
         if self._front is not None:
-            self.env.process(self._through_front(request))
+            self._front.submit(request)
             return
-        self._admit(request)
-
-    def _through_front(self, request: Request):
-        with self._front.request() as slot:
-            yield slot
-            yield self.env.timeout(self._overhead[request.kind.value])
         self._admit(request)
 
     def _admit(self, request: Request) -> None:
@@ -291,7 +299,7 @@ class Replica:
             if steps > 1:
                 yield from self._decode_run(shape, steps)
                 continue
-            seconds = cost.shape_time(shape)
+            seconds = cost.shape_time(self._padded(shape, batch) if self._padding else shape)
             if self._merge_s:
                 seconds, self._merge_s = seconds + self._merge_s, 0.0
             flops, bytes_ = cost.shape_work(shape)
@@ -299,6 +307,12 @@ class Replica:
             yield Timeout(env, seconds)
             self._account(shape, 1, seconds, flops, bytes_)
             self._leave(policy.complete(batch, env._now))
+
+    def _padded(self, shape: BatchShape, batch) -> BatchShape:
+        """The batch's shape with its inputs padded to the longest (a stock embedding server's
+        batch: whole inputs)."""
+        longest = max(it.start + it.num_tokens for it in batch.items)
+        return padded(shape, longest, self._padding)
 
     def _cohort_shape(self) -> BatchShape:
         """The shape of an iteration of the decode cohort alone."""
