@@ -179,8 +179,8 @@ def validate(
 ) -> None:
     """Check a scenario without running it (traces and length files are read), and show what
     each configuration places where."""
-    from orthrus_sim.experiment.plan import plan_configuration
-    from orthrus_sim.experiment.scenario import load_scenario
+    from orthrus_sim.experiment.plan import dedicated_plans, plan_configuration
+    from orthrus_sim.experiment.scenario import is_replan, load_scenario, split_gpus
 
     try:
         sc = load_scenario(scenario, set_)
@@ -189,6 +189,16 @@ def validate(
         for col in ("configuration", "GPU", "role", "policy", "token budget", "chunk", "KV blocks"):
             table.add_column(col, overflow="fold")
         for cfg in sc.configurations:
+            if is_replan(cfg):  # its GPUs run either role's server, from the split it starts at
+                split = split_gpus(cfg, sc.cluster.gpus)
+                start = (f"{split[0]} embedding : {split[1]} generation" if split
+                         else "the planner's split")
+                for i, plan in enumerate(dedicated_plans(sc)):
+                    c = plan.config
+                    table.add_row(cfg if i == 0 else "", start if i == 0 else "", plan.role,
+                                  plan.policy, str(c.token_budget), str(c.chunk_size),
+                                  str(c.num_blocks))
+                continue
             for i, plan in enumerate(plan_configuration(sc, cfg)):
                 c = plan.config
                 table.add_row(cfg if i == 0 else "", str(i), plan.role, plan.policy,

@@ -74,3 +74,19 @@ def test_a_named_start_is_where_the_split_begins():
     assert roles == ["embedding"] * 3 + ["generation"]
     with pytest.raises(ValueError, match="'dedicated-replan-3:2' uses 5 GPUs but cluster.gpus is 4"):
         parse_scenario(raw | {"configurations": ["dedicated-replan-3:2"]})
+
+
+def test_a_split_that_cannot_serve_both_kinds_is_refused():
+    """One GPU, or a start with a side empty, would refuse one kind for the whole run."""
+    raw = {"name": "r", "duration_s": 20, "cluster": {"gpus": 1},
+           "configurations": ["dedicated-replan"],
+           "workload": {"pools": [{"kind": "embedding", "process": "poisson", "rate": 5.0},
+                                  {"kind": "generation", "process": "poisson", "rate": 1.0}]}}
+    with pytest.raises(ValueError, match="'dedicated-replan' needs at least 2 GPUs"):
+        simulate(parse_scenario(raw), "dedicated-replan")
+    raw["cluster"]["gpus"] = 4
+    for start in ("4:0", "0:4"):
+        with pytest.raises(ValueError, match=f"'dedicated-replan-{start}' needs at least one "
+                                             "embedding and one generation GPU"):
+            simulate(parse_scenario(raw | {"configurations": [f"dedicated-replan-{start}"]}),
+                     f"dedicated-replan-{start}")

@@ -103,6 +103,11 @@ def test_bad_rows_name_file_line_and_column(tmp_path):
     iso.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,1\n")
     with pytest.raises(ValueError, match=r"iso.csv, line 2, column TIMESTAMP: must be an ISO"):
         load_trace(iso)
+    # the file's own line, past blank lines
+    gaps = tmp_path / "gaps.csv"
+    gaps.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,5,1\n\n\n1,2,1\n2,y,1\n")
+    with pytest.raises(ValueError, match=r"gaps.csv, line 6, column num_prefill_tokens"):
+        load_trace(gaps)
     odd = tmp_path / "odd.csv"
     odd.write_text("when,what\n1,2\n")
     with pytest.raises(ValueError, match="no known format has the columns when, what"):
@@ -124,3 +129,21 @@ def test_shipped_traces_load():
     code = window(folder / "splitwise_code.csv")
     assert len(conv.rows) == 19_366 and len(code.rows) == 8_819
     assert conv.rate == pytest.approx(5.5, abs=0.1) and code.rate == pytest.approx(2.6, abs=0.1)
+
+
+def test_iso_times_without_a_zone_are_utc(tmp_path, monkeypatch):
+    """An Azure trace's gaps do not depend on the machine's zone (a clock change at 01:00 UTC
+    on 2023-03-26 in Europe/Berlin would add an hour to one gap)."""
+    import time
+
+    path = tmp_path / "azure.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-03-26 00:30:00.0000000,5,1\n"
+                    "2023-03-26 01:30:00.0000000,5,1\n")
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    time.tzset()
+    try:
+        rows = load_trace(path)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    assert rows[1]["arrival_time"] - rows[0]["arrival_time"] == 3600.0

@@ -602,6 +602,9 @@ def split_gpus(name: str, gpus: int) -> tuple[int, int] | None:
     prefill:decode for disagg-pd; the split ``dedicated-replan-E:G`` starts from); None for
     unified ones and ``dedicated-replan`` (whose split the simulator's planner picks)."""
     m = CONFIG_RE.match(name)
+    if is_replan(name) and gpus < 2:
+        raise ValueError(f"configuration {name!r} needs at least 2 GPUs (one per role: a split "
+                         f"of one GPU cannot serve both kinds), cluster.gpus is {gpus}")
     if name == REPLAN:
         return None
     if is_replan(name):
@@ -616,6 +619,9 @@ def split_gpus(name: str, gpus: int) -> tuple[int, int] | None:
         raise ValueError(f"configuration {name!r} uses {a + b} GPUs but cluster.gpus is {gpus}")
     if name.startswith("disagg-pd") and (a < 1 or b < 1):
         raise ValueError(f"configuration {name!r} needs at least one prefill and one decode GPU")
+    if is_replan(name) and (a < 1 or b < 1):
+        raise ValueError(f"configuration {name!r} needs at least one embedding and one "
+                         "generation GPU to start from (a side emptied refuses its kind)")
     return a, b
 
 

@@ -29,7 +29,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 FIELDS = ("arrival_time", "kind", "input_tokens", "output_tokens")
@@ -79,9 +79,12 @@ _FRACTION = re.compile(r"(\.\d{6})\d+")  # Azure writes 7 fractional digits; Pyt
 def _seconds(value: object, fmt: TraceFormat, where: str) -> float:
     if fmt.time_unit == "iso":
         try:
-            return datetime.fromisoformat(_FRACTION.sub(r"\1", str(value).strip())).timestamp()
+            t = datetime.fromisoformat(_FRACTION.sub(r"\1", str(value).strip()))
         except ValueError:
             raise ValueError(f"{where}: must be an ISO date-time, got {value!r}") from None
+        # one without a zone is read as UTC, not as this machine's zone (a clock change inside
+        # the trace would shift its gaps by an hour on some machines)
+        return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
     try:
         t = float(value)
     except (TypeError, ValueError):
@@ -159,8 +162,8 @@ def _load(path: Path, mtime: float, name: str) -> tuple[str, tuple[dict, ...]]:
             reader = csv.DictReader(fh)
             fmt = _format_named(name, [c.strip() for c in reader.fieldnames or []], path)
             reader.fieldnames = [c.strip() for c in reader.fieldnames or []]
-            for i, raw in enumerate(reader, start=2):
-                rows.append(_row(raw, fmt, path, i))
+            for raw in reader:  # the file's line (blank lines skipped, quoted ones spanned)
+                rows.append(_row(raw, fmt, path, reader.line_num))
     else:
         raise ValueError(f"trace {path}: use a .jsonl or .csv file")
     if not rows:

@@ -101,11 +101,9 @@ def scaled_scenario(data: dict, load: Load, factors: dict[str, float], configura
     pools = []
     for pool in load.pools:
         kinds = KINDS if pool["kind"] == "mixed" else (pool["kind"],)
-        f = {factors[k] for k in kinds if load.rates[k] > 0}
-        if len(f) > 1:
-            raise ValueError("capacity: a mixed pool keeps its mix; give per-kind pools (kind: "
-                             "embedding / generation) to ask for another rate of one kind")
-        scale = f.pop() if f else 0.0
+        scale = _one_factor(factors, load, kinds, (
+            "capacity: a mixed pool keeps its mix; give per-kind pools (kind: embedding / "
+            "generation) to ask for another rate of one kind"))
         if scale > 0:
             pools.append(dict(pool, rate=pool["rate"] * scale))
     if not pools:
@@ -117,15 +115,23 @@ def scaled_scenario(data: dict, load: Load, factors: dict[str, float], configura
     return out
 
 
+def _one_factor(factors: dict[str, float], load: Load, kinds, refusal: str) -> float:
+    """The one factor ``kinds`` (those the load sends) are scaled by (0: none sent); equal
+    to rounding (a scale times each kind's rate and divided back differs in the last bit)."""
+    f = [factors[k] for k in kinds if load.rates[k] > 0]
+    if any(not math.isclose(x, f[0], rel_tol=1e-9) for x in f):
+        raise ValueError(refusal)
+    return f[0] if f else 0.0
+
+
 def _scaled_moving(data: dict, load: Load, factors: dict[str, float], configuration: str,
                    gpus: int) -> dict:
     """A moving load scaled as a whole: its ``rate_scale`` times the one factor."""
-    f = {factors[k] for k in KINDS if load.rates[k] > 0}
-    if len(f) > 1:
-        raise ValueError("capacity: a trace or bursty load is scaled as a whole (its kinds keep "
-                         "their ratio); ask for one scale (--scale), not a demand per kind")
+    scale = _one_factor(factors, load, KINDS, (
+        "capacity: a trace or bursty load is scaled as a whole (its kinds keep their ratio); "
+        "ask for one scale (--scale), not a demand per kind"))
     out = copy.deepcopy(data)
-    out["workload"]["rate_scale"] = load.rate_scale * f.pop()
+    out["workload"]["rate_scale"] = load.rate_scale * scale
     out["cluster"]["gpus"] = gpus
     out["configurations"] = [configuration]
     return out
@@ -330,10 +336,12 @@ def family(configuration: str) -> str:
 
 def family_members(name: str, gpus: int, demand: dict[str, float]) -> list[str]:
     """The configurations of a family on ``gpus`` GPUs (a dedicated pool may be empty only
-    when its kind is not asked for; Disagg-PD needs a prefill and a decode GPU)."""
-    if name == REPLAN + "-start":  # a re-planning split from each start a frozen one takes
-        return [f"{REPLAN}-{c.removeprefix('dedicated-')}"
-                for c in family_members("dedicated", gpus, demand)]
+    when its kind is not asked for; Disagg-PD and a re-planning split need a GPU on each
+    side)."""
+    if name.startswith(REPLAN) and gpus < 2:  # a re-planning split needs a GPU per role
+        return []
+    if name == REPLAN + "-start":  # a re-planning split from each start with both roles
+        return [f"{REPLAN}-{a}:{gpus - a}" for a in range(1, gpus)]
     if name not in ("dedicated", "disagg-pd"):
         return [name]
     if name == "disagg-pd":
@@ -498,7 +506,8 @@ def print_capacity(console: Console, doc: dict, name: str) -> None:
         table.add_column(col, justify="right", overflow="fold")
     for r in doc["rate_search"]:
         att = r["attainment_at_max"] or {}
-        at_max = [x for x in r["runs"] if x["offered_rps"] == r["max_rate_rps"]]
+        at_max = [x for x in r["runs"]
+                  if math.isclose(x["offered_rps"], r["max_rate_rps"], rel_tol=1e-9)]
         worst = min((v for v in (at_max[0].get("worst_stretch") or {}).values() if v is not None),
                     default=None) if at_max else None
         table.add_row(r["configuration"], str(r["gpus"]), f"{r.get('max_scale', 0):.3g}x",

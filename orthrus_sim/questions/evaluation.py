@@ -28,10 +28,11 @@ from orthrus_sim.experiment.measured import (
     iteration_rate,
     measured_under,
 )
-from orthrus_sim.experiment.plan import plan_configuration
+from orthrus_sim.experiment.plan import dedicated_plans, plan_configuration
 from orthrus_sim.experiment.results import _get
 from orthrus_sim.experiment.scenario import (
     Scenario,
+    is_replan,
     parse_scenario,
     scenario_dump,
 )
@@ -144,7 +145,9 @@ class Simulations:
         self.cases = list(dict.fromkeys(cases))
         self._pays = {}  # case -> (stock, adapter): which of the arrangement's terms it pays
         for ov, cfg in self.cases:
-            plans = plan_configuration(parse_scenario(self.raws[ov], "fit scenario"), cfg)
+            sc = parse_scenario(self.raws[ov], "fit scenario")
+            # a re-planning split's GPUs run either role's server in turn
+            plans = dedicated_plans(sc) if is_replan(cfg) else plan_configuration(sc, cfg)
             self._pays[ov, cfg] = (any(p.stock for p in plans),
                                    any(p.lora is not None for p in plans))
         self.prior = prior

@@ -176,8 +176,9 @@ class ReplanningSplit(_Booked):
                          embeddings=sum(f[2] for f in flight) / len(flight))
         current = Assignment(self.generating())
         plan = self.planner.plan(demand, current)
-        if not demand.closed_loop and self.planner.predict(current, demand).peak_use <= 1:
-            plan = self.planner.predict(current, demand)  # it serves the demand: moving costs
+        kept = self.planner.predict(current, demand)
+        if not demand.closed_loop and kept.feasible and kept.peak_use <= 1:
+            plan = kept  # it serves the demand: moving costs
         self.demand_log.append({"time_s": now, "generations": demand.generations,
                                 "embeddings": demand.embeddings,
                                 "generation_rps": demand.generation_rps,
