@@ -147,3 +147,22 @@ def test_iso_times_without_a_zone_are_utc(tmp_path, monkeypatch):
         monkeypatch.delenv("TZ")
         time.tzset()
     assert rows[1]["arrival_time"] - rows[0]["arrival_time"] == 3600.0
+
+
+def test_a_mixed_trace_s_rates_are_its_rows_own_kinds(tmp_path):
+    """A trace with a kind column sends each row's kind: the capacity search's rates and the
+    re-planning split's start count them, whatever the workload's generation share."""
+    from orthrus_sim.experiment.arrivals import kind_rates
+    from orthrus_sim.routing.replan import nominal_demand
+
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(
+        {"arrival_time": 0.5 * i, "kind": "embedding" if i % 4 == 0 else "generation",
+         "input_tokens": 50, "output_tokens": 5}) + "\n" for i in range(40)))
+    pool = {"kind": "mixed", "process": "trace", "trace": "m.jsonl"}
+    raw = scenario(pool) | {"cluster": {"gpus": 2}, "workload": {
+        "pools": [pool], "generation_share": 0.1}}
+    sc = parse_scenario(raw, base_dir=tmp_path)
+    rates = kind_rates(sc.workload.pools[0], 0.1)
+    assert rates["generation"] == pytest.approx(3 * rates["embedding"])
+    d = nominal_demand(sc)
+    assert d.generation_rps == pytest.approx(3 * d.embedding_rps)

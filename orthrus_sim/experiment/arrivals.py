@@ -31,6 +31,21 @@ def mean_rate(pool: Any) -> float:
     return pool.rate
 
 
+def kind_rates(pool: Any, generation_share: float) -> dict[str, float]:
+    """A pool's long-run arrivals per second by kind (before ``rate_scale``): a mixed trace's
+    by its rows' own kinds in the window (its replay sends each row's), a mixed synthetic
+    pool's by its generation share (the workload's where the pool gives none)."""
+    rate = mean_rate(pool)
+    if pool.kind != "mixed":
+        return {pool.kind: rate}
+    if pool.process == "trace":
+        rows = window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate).rows
+        share = sum(r["kind"] == "generation" for r in rows) / len(rows) if rows else 0.0
+    else:
+        share = generation_share if pool.generation_share is None else pool.generation_share
+    return {"generation": rate * share, "embedding": rate * (1 - share)}
+
+
 class Modulation:
     """An on/off sequence: exponential sojourns from a generator of its own, the first state
     drawn from the stationary split (on with probability ``on_s / (on_s + off_s)``)."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from orthrus_sim.experiment.arrivals import mean_rate
+from orthrus_sim.experiment.arrivals import kind_rates
 from orthrus_sim.experiment.results import KINDS, results_doc, write_json
 from orthrus_sim.experiment.scenario import REPLAN, Scenario, is_replan, scenario_dump
 from orthrus_sim.questions.sweep import Point, point_runner
@@ -73,13 +73,8 @@ def open_loop_load(sc: Scenario) -> Load:
                              "an offered rate, so every pool must be open loop (poisson, gamma, "
                              "mmpp or diurnal with a rate, or a trace; see "
                              "scenarios/capacity_mix.yaml, scenarios/traces_merged.yaml)")
-        rate = mean_rate(pool) * w.rate_scale
-        if pool.kind == "mixed":
-            share = w.generation_share if pool.generation_share is None else pool.generation_share
-            rates["generation"] += rate * share
-            rates["embedding"] += rate * (1 - share)
-        else:
-            rates[pool.kind] += rate
+        for kind, rate in kind_rates(pool, w.generation_share).items():
+            rates[kind] += rate * w.rate_scale
     if sc.slo is None:
         raise ValueError("capacity: the scenario has no slo section (ttft_s, tpot_s, e2e_s, "
                          "latency_s): there is nothing to meet")

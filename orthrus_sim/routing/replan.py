@@ -52,7 +52,7 @@ def nominal_demand(scenario: Any) -> Demand:
     """The demand the scenario describes before any request arrives: open pools' mean rates
     (times ``workload.rate_scale``), closed loops' clients, per kind; the lengths' means. The
     first phase's pools and mix stand for the phases (the split is for the start)."""
-    from orthrus_sim.experiment.arrivals import mean_rate
+    from orthrus_sim.experiment.arrivals import kind_rates, mean_rate
     from orthrus_sim.experiment.workload import embedding_limit
 
     w = scenario.workload
@@ -73,15 +73,20 @@ def nominal_demand(scenario: Any) -> Demand:
             for kind, f in split.items():
                 clients[kind] += pool.clients * f
             continue
-        rate = 0.0 if pool.process == "burst" else mean_rate(pool) * w.rate_scale
         if pool.process == "trace":
             n_in, n_out = _trace_lengths(pool, embedding_limit(scenario))
             if pool.kind == "generation":
                 lengths["prompt"], lengths["output"] = n_in, n_out
             elif pool.kind == "embedding":
                 lengths["embedding"] = n_in
-        for kind, f in split.items():
-            rps[kind] += rate * f
+        if pool.process == "burst":
+            continue
+        if pool.kind == "workflow":
+            for kind, f in split.items():
+                rps[kind] += mean_rate(pool) * w.rate_scale * f
+            continue
+        for kind, rate in kind_rates(pool, share).items():
+            rps[kind] += rate * w.rate_scale
     closed = any(clients.values())
     return Demand(generations=clients["generation"], embeddings=clients["embedding"],
                   generation_rps=rps["generation"], embedding_rps=rps["embedding"],
