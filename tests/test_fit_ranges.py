@@ -122,6 +122,9 @@ runs:
 """
 
 
+# slow stage: a fit run through every restart until it gives up; the fast stage's fits
+# (test_fit.py) report undetermined and fitted parameters
+@pytest.mark.slow
 def test_a_fit_that_cannot_reproduce_its_inputs_says_so(tmp_path):
     # 4 closed-loop clients at 9 requests/s cannot each wait 5 s (Little's law)
     path = tmp_path / "m.yaml"
@@ -249,6 +252,9 @@ def test_a_range_end_on_a_bound_stays_inside_it():
     assert inside.overlap == pytest.approx(0.4)
 
 
+# slow stage: a range's driver named over several seeds; the fast stage checks a range's own
+# sampling spread and the expected value's seeds (above)
+@pytest.mark.slow
 def test_a_range_that_is_mostly_sampling_spread_is_named_with_what_narrows_it(tmp_path):
     """When the widest range is mostly the prediction's own sampling spread, no measurement of
     the fit's configurations narrows it: ``predict`` says so (table and JSON) instead of leaving

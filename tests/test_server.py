@@ -246,6 +246,9 @@ def test_load_64_clients(tiny_models):
     assert httpx.get(url + "/health").status_code == 200
 
 
+# slow stage: a thousand tokens drained after SIGTERM; the fast stage drains a live replica
+# through the cluster's admin restart
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(tiny_models, tmp_path):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -20,6 +20,9 @@ from tests.test_server import metric, start_server  # noqa: E402
 CASES_PER_OPERATION = 40
 
 
+# slow stage: 40 generated cases per operation; the fast stage sends each refusal by hand
+# (test_server_limits, test_server_isolation)
+@pytest.mark.slow
 def test_fuzzing_the_openapi_document_finds_no_server_error(tiny_models):
     url, runner = start_server(tiny_models["llama"], max_queued=64, max_inputs_per_request=8,
                                scheduler=SchedulerConfig(max_model_len=64, token_budget=256,
