@@ -267,6 +267,14 @@ def embedding_limit(s: Scenario) -> int:
     return min(limit, s.scheduler.max_model_len or limit, s.embedding.max_input_tokens or limit)
 
 
+def embeddings_cut(rows: list[dict] | tuple[dict, ...], kind: str | None,
+                   limit: int) -> list[dict]:
+    """A trace's rows with each embedding's input cut to ``limit`` tokens (``kind``: the
+    pool's, or None where each row gives its own); a row not cut is the same object."""
+    return [dict(r, input_tokens=limit) if (kind or r["kind"]) == "embedding"
+            and r["input_tokens"] > limit else r for r in rows]
+
+
 class Workload:
     """The scenario's sources of load, sharing one clock and the units-of-work count.
 
@@ -498,8 +506,7 @@ class Workload:
             f"{w.rate:.3g} requests/s" + (f" as {kind}s" if kind else ""))
         if kind != "generation":
             limit = embedding_limit(self.scenario)
-            rows = [dict(r, input_tokens=limit) if (kind or r["kind"]) == "embedding"
-                    and r["input_tokens"] > limit else r for r in rows]
+            rows = embeddings_cut(rows, kind, limit)
             cut = sum(a is not b for a, b in zip(rows, w.rows))
             if cut:
                 self.warnings.append(
