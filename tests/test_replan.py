@@ -64,11 +64,16 @@ def test_initial_split_from_the_nominal_demand():
         parse_scenario(raw | {"configurations": ["dedicated-replan-2"]})
 
 
+def poisson_pair(gpus: int, configuration: str) -> dict:
+    """20 s of 5 embeddings/s and 1 generation/s on ``gpus`` GPUs."""
+    return {"name": "r", "duration_s": 20, "cluster": {"gpus": gpus},
+            "configurations": [configuration],
+            "workload": {"pools": [{"kind": "embedding", "process": "poisson", "rate": 5.0},
+                                   {"kind": "generation", "process": "poisson", "rate": 1.0}]}}
+
+
 def test_a_named_start_is_where_the_split_begins():
-    raw = {"name": "r", "duration_s": 20, "cluster": {"gpus": 4},
-           "configurations": ["dedicated-replan-3:1"],
-           "workload": {"pools": [{"kind": "embedding", "process": "poisson", "rate": 5.0},
-                                  {"kind": "generation", "process": "poisson", "rate": 1.0}]}}
+    raw = poisson_pair(4, "dedicated-replan-3:1")
     result = simulate(parse_scenario(raw), "dedicated-replan-3:1")
     roles = [g["role"] for g in result.metrics["utilization"]["per_gpu"]]
     assert roles == ["embedding"] * 3 + ["generation"]
@@ -78,15 +83,10 @@ def test_a_named_start_is_where_the_split_begins():
 
 def test_a_split_that_cannot_serve_both_kinds_is_refused():
     """One GPU, or a start with a side empty, would refuse one kind for the whole run."""
-    raw = {"name": "r", "duration_s": 20, "cluster": {"gpus": 1},
-           "configurations": ["dedicated-replan"],
-           "workload": {"pools": [{"kind": "embedding", "process": "poisson", "rate": 5.0},
-                                  {"kind": "generation", "process": "poisson", "rate": 1.0}]}}
     with pytest.raises(ValueError, match="'dedicated-replan' needs at least 2 GPUs"):
-        simulate(parse_scenario(raw), "dedicated-replan")
-    raw["cluster"]["gpus"] = 4
+        simulate(parse_scenario(poisson_pair(1, "dedicated-replan")), "dedicated-replan")
     for start in ("4:0", "0:4"):
-        with pytest.raises(ValueError, match=f"'dedicated-replan-{start}' needs at least one "
-                                             "embedding and one generation GPU"):
-            simulate(parse_scenario(raw | {"configurations": [f"dedicated-replan-{start}"]}),
-                     f"dedicated-replan-{start}")
+        name = f"dedicated-replan-{start}"
+        with pytest.raises(ValueError, match=f"'{name}' needs at least one embedding and one "
+                                             "generation GPU"):
+            simulate(parse_scenario(poisson_pair(4, name)), name)
