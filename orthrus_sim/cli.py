@@ -150,6 +150,10 @@ def capacity(
                                      help="simulations at once (0: one per CPU)"),
     ray: str = typer.Option(None, "--ray", help="run the simulations as Ray tasks: auto (join a "
                                                 "running cluster) or local (start one here)"),
+    full_runs: bool = typer.Option(False, "--full-runs", help="run every simulation to its end "
+                                   "(default: a trace or burst load's run stops once a kind can "
+                                   "no longer reach --attainment; its attainment is then not "
+                                   "recorded)"),
 ) -> None:
     """Per configuration: the highest offered open-loop rate (the scenario's mix) that meets
     the scenario's SLOs at the required attainment, and the fewest GPUs that serve a given rate
@@ -165,7 +169,7 @@ def capacity(
         sc = load_scenario(scenario, set_)
         _calibration_warning(sc)
         run_capacity(sc, out, attainment, tolerance, _demand(demand), max_gpus,
-                     max_parallel or None, ray, console, stretch_attainment, scale)
+                     max_parallel or None, ray, console, stretch_attainment, scale, full_runs)
     except ValueError as exc:
         fail(exc)
     except KeyboardInterrupt:

@@ -19,13 +19,19 @@ servers) against Orthrus with a TPOT target (`--tpot-target`) on each replica, p
 (`cluster.router: adaptive`); the figure is the time to finish all three phases (its inverse
 the throughput of a fixed amount of work), measured and simulated, and the TPOT p99 beside it.
 
+`--trace` replays `scenarios/traces_cpu.yaml` instead: the merged production traces (Azure's
+conversation trace as generations, its coding trace's arrivals and inputs as embeddings) shrunk
+to this cluster, its time stretched by `workload.rate_scale` (`--trace-scale`), Dedicated-1:1 against
+Orthrus placed by the planner; the figure is goodput (requests that met the scenario's SLOs per
+second), measured and simulated, with each kind's SLO attainment beside it.
+
 `--tables-only` measures nothing: the runs stored in `OUT/measured.json` are simulated again
 with `--calibration` (and `--compare-calibration`), so a new calibration is judged against the
 same measured runs.
 
 Run: python scripts/make_cluster_table.py --model DIR --calibration FILE [--rounds 2]
      [--duration 45] [--compare-calibration FILE] [--tables-only]
-     [--phased [--phase-requests 80] [--tpot-target 0.1]]
+     [--phased [--phase-requests 80] [--tpot-target 0.1]] [--trace [--trace-scale 0.4]]
 """
 
 from __future__ import annotations
@@ -254,6 +260,71 @@ def _phased_figures(m: dict) -> dict:
             "generation": lookup(m, "completed.generation") or 0}
 
 
+def trace(args) -> list[str]:
+    """The shrunk merged traces, `rounds` times, configurations alternating."""
+    raw = read_scenario(ROOT / "scenarios" / "traces_cpu.yaml")
+    if args.trace_scale is not None:
+        raw["workload"]["rate_scale"] = args.trace_scale
+    for pool in raw["workload"]["pools"]:  # the rounds' scenarios are written under --out
+        pool["trace"] = str(ROOT / "scenarios" / pool["trace"])
+    got: dict = {c: {"measured": [], "simulated": None} for c in CONFIGS}
+    notes: list[str] = []
+    for r in range(args.rounds):
+        path = args.out / f"trace-{r}.yaml"
+        order = round_scenario(raw, r, path)
+        print(f"trace, round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
+        out = args.out / f"trace-round-{r}"
+        validate(path, [], str(args.model), None, str(args.calibration), out, threads=1,
+                 engine_cpus="0,1")
+        for side in ("measured", "simulated"):
+            for run in json.loads((out / side / "results.json").read_text())["runs"]:
+                entry = _trace_figures(run["metrics"])
+                if side == "measured":
+                    got[run["configuration"]]["measured"].append(entry)
+                else:
+                    got[run["configuration"]]["simulated"] = entry
+                    notes = run["metrics"].get("workload_notes") or notes
+    (args.out / "trace.json").write_text(json.dumps(got, indent=1) + "\n")
+    lines = [f"* {n}" for n in notes] + [
+        "", "| configuration | goodput rps, measured per round | simulated | error | "
+        "attainment emb, gen: measured | simulated | TPOT p99 s, measured | simulated | "
+        "completions (emb, gen) |", "|---|---|---|---|---|---|---|---|---|"]
+    for cfg in CONFIGS:
+        runs, sim = got[cfg]["measured"], got[cfg]["simulated"]
+        good = [m["goodput_rps"] for m in runs]
+        mean = statistics.fmean(good) if good else None
+        att = "; ".join(f"{_pct1(m['attainment_embedding'])}, {_pct1(m['attainment_generation'])}"
+                        for m in runs)
+        lines.append(
+            f"| {cfg} | {', '.join(_fmt(g) for g in good)} | {_fmt(sim['goodput_rps'])} | "
+            f"{_pct(_error(sim['goodput_rps'], mean))} | {att} | "
+            f"{_pct1(sim['attainment_embedding'])}, {_pct1(sim['attainment_generation'])} | "
+            f"{_range([m['tpot_p99_s'] for m in runs if m['tpot_p99_s'] is not None])} | "
+            f"{_fmt(sim['tpot_p99_s'])} | {min(m['embedding'] for m in runs)}, "
+            f"{min(m['generation'] for m in runs)} |")
+    ded, orth = (got[c] for c in CONFIGS)
+    pairs = [o["goodput_rps"] / d["goodput_rps"] for d, o in zip(ded["measured"], orth["measured"])
+             if d["goodput_rps"] and o["goodput_rps"] is not None]
+    sims = ded["simulated"]["goodput_rps"], orth["simulated"]["goodput_rps"]
+    lines += ["", "Orthrus (planner) / Dedicated-1:1, goodput: measured per round "
+              f"{', '.join(f'{x:.2f}x' for x in pairs) or '-'}, simulated "
+              f"{_ratio(sims[1], sims[0])}"]
+    return lines
+
+
+def _trace_figures(m: dict) -> dict:
+    return {"goodput_rps": lookup(m, "slo.combined.goodput_rps"),
+            "attainment_embedding": lookup(m, "slo.embedding.attainment"),
+            "attainment_generation": lookup(m, "slo.generation.attainment"),
+            "tpot_p99_s": lookup(m, "latency_s.tpot.p99"),
+            "embedding": lookup(m, "completed.embedding") or 0,
+            "generation": lookup(m, "completed.generation") or 0}
+
+
+def _pct1(v) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
 def _pct(err) -> str:
     return "-" if err is None else f"{err:+.1%}"
 
@@ -274,7 +345,15 @@ def main() -> None:
     parser.add_argument("--phase-requests", type=int, default=80)
     parser.add_argument("--tpot-target", type=float, default=0.1,
                         help="seconds (predicted) a decode iteration may take, --phased")
+    parser.add_argument("--trace", action="store_true",
+                        help="the merged production traces shrunk to this cluster")
+    parser.add_argument("--trace-scale", type=float, default=None,
+                        help="--trace: workload.rate_scale (default: the scenario's, 0.4)")
     args = parser.parse_args()
+    if args.trace:
+        args.out.mkdir(parents=True, exist_ok=True)
+        print("\n".join(trace(args)))
+        return
     if args.phased:
         args.out.mkdir(parents=True, exist_ok=True)
         print("\n".join(phased(args)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -90,3 +91,67 @@ def test_capacity_command_on_a_tiny_trace(tmp_path):
     fams = {f["family"]: f for f in doc["gpu_search"]["families"]}
     assert set(fams) == {"dedicated", "dedicated-replan"}
     assert "rate search, round 1" in res.output and "GPU search, round 1" in res.output
+
+
+def test_a_run_stops_once_a_kind_can_no_longer_reach_its_attainment(tmp_path):
+    from orthrus_sim.sim.run import simulate
+
+    raw = tiny_trace(tmp_path) | {"configurations": ["dedicated-1:1"]}
+    raw["slo"]["latency_s"] = 0.001  # no embedding meets it
+    full = simulate(parse_scenario(raw, base_dir=tmp_path), "dedicated-1:1").metrics
+    assert full["slo"]["embedding"]["attainment"] < 0.99 and "stopped_early" not in full
+    stopped = simulate(parse_scenario(raw | {"stop_below_attainment": 0.99}, base_dir=tmp_path),
+                       "dedicated-1:1").metrics
+    stop = stopped["stopped_early"]
+    # 2,400 embeddings: the 25th miss (more than 1 % of them) decides it
+    assert stop["kind"] == "embedding" and stop["most_requests"] == 2400 and stop["missed"] == 25
+    assert stop["time_s"] < 10 < full["sim_end_s"] and stopped["sim_end_s"] == stop["time_s"]
+    assert not meets(stopped, open_loop_load(parse_scenario(raw, base_dir=tmp_path)), 0.5)
+    # a run that meets its SLOs runs to its end and is the run without the stop
+    raw["slo"]["latency_s"] = 60.0
+    raw["slo"]["ttft_s"] = raw["slo"]["tpot_s"] = 60.0
+    plain = simulate(parse_scenario(raw, base_dir=tmp_path), "dedicated-1:1").metrics
+    kept = simulate(parse_scenario(raw | {"stop_below_attainment": 0.99}, base_dir=tmp_path),
+                    "dedicated-1:1").metrics
+    for m in (plain, kept):
+        m.pop("sim_wall_s")
+    assert kept == plain
+
+
+def test_the_most_requests_a_workload_sends():
+    from orthrus_sim.experiment.workload import Workload
+
+    def most(pools):
+        sc = parse_scenario({"name": "m", "duration_s": 10, "workload": {"pools": pools}})
+        return Workload(sc, lambda: 0.0).most_requests()
+
+    burst = {"kind": "embedding", "process": "burst", "count": 7}
+    assert most([burst, dict(burst, count=3)]) == {"embedding": 10, "generation": 0}
+    poisson = {"kind": "generation", "process": "poisson", "rate": 2.0}
+    assert most([burst, poisson]) == {"embedding": 7, "generation": None}
+    assert most([{"kind": "mixed", "process": "burst", "count": 4}]) == {"embedding": 4,
+                                                                          "generation": 4}
+    with pytest.raises(ValueError, match="stop_below_attainment stops a run by its SLO "
+                                         "attainment: give the slo section"):
+        parse_scenario({"name": "m", "stop_below_attainment": 0.9,
+                        "workload": {"pools": [burst]}})
+
+
+def test_stopping_failing_runs_early_changes_no_answer(tmp_path):
+    from orthrus_sim.questions.capacity import run_capacity
+
+    sc = parse_scenario(tiny_trace(tmp_path), base_dir=tmp_path)
+    docs = [run_capacity(sc, tmp_path / f"out-{full}", tolerance=0.25, max_gpus=3, scale=2.0,
+                         max_parallel=1, full_runs=full) for full in (False, True)]
+    early, full = docs
+    for key in ("rate_search",):
+        assert [(r["configuration"], r["max_scale"], r["next_rate_rps"]) for r in early[key]] \
+            == [(r["configuration"], r["max_scale"], r["next_rate_rps"]) for r in full[key]]
+    assert [(f["family"], f["gpus_needed"]) for f in early["gpu_search"]["families"]] \
+        == [(f["family"], f["gpus_needed"]) for f in full["gpu_search"]["families"]]
+    runs = [x for r in early["rate_search"] for x in r["runs"]]
+    stopped = [x for x in runs if x["stopped_early"]]
+    assert stopped and all(not x["passed"] and x["attainment"] == {"embedding": None,
+                                                                   "generation": None}
+                           for x in stopped)
+    assert not any(x["stopped_early"] for r in full["rate_search"] for x in r["runs"])

@@ -166,3 +166,17 @@ def test_a_mixed_trace_s_rates_are_its_rows_own_kinds(tmp_path):
     assert rates["generation"] == pytest.approx(3 * rates["embedding"])
     d = nominal_demand(sc)
     assert d.generation_rps == pytest.approx(3 * d.embedding_rps)
+
+
+def test_tokens_scale_shrinks_a_trace_s_lengths_and_keeps_its_times(tmp_path):
+    (tmp_path / "s.csv").write_text(SPLITWISE)  # inputs 100-119, outputs 4-6
+    pool = {"kind": "generation", "process": "trace", "trace": "s.csv", "tokens_scale": 0.1}
+    result = simulate(parse_scenario(scenario(pool), base_dir=tmp_path), "orthrus")
+    gens = sorted(result.requests, key=lambda r: r["arrival_s"])
+    assert [r["input_tokens"] for r in gens] == [round((100 + i) * 0.1) for i in range(20)]
+    assert {r["output_tokens"] for r in gens} == {1}  # 0.4-0.6 rounds to at least one token
+    assert [r["arrival_s"] for r in gens] == pytest.approx([0.5 * i for i in range(20)])
+    with pytest.raises(ValueError, match="tokens_scale scales a trace's lengths: it needs "
+                                         "process 'trace'"):
+        parse_scenario(scenario({"kind": "generation", "process": "poisson", "rate": 1.0,
+                                 "tokens_scale": 0.5}))

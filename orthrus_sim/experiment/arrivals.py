@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from orthrus_sim.experiment.trace import window
-
 
 def mean_rate(pool: Any) -> float:
     """The long-run arrivals per second of an open-loop or trace pool (before
@@ -27,7 +25,7 @@ def mean_rate(pool: Any) -> float:
     if pool.process == "mmpp":
         return (pool.rate * pool.on_s + pool.off_rate * pool.off_s) / (pool.on_s + pool.off_s)
     if pool.process == "trace":
-        return window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate).rate
+        return pool.replay().rate
     return pool.rate
 
 
@@ -39,7 +37,7 @@ def kind_rates(pool: Any, generation_share: float) -> dict[str, float]:
     if pool.kind != "mixed":
         return {pool.kind: rate}
     if pool.process == "trace":
-        rows = window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate).rows
+        rows = pool.replay().rows
         share = sum(r["kind"] == "generation" for r in rows) / len(rows) if rows else 0.0
     else:
         share = generation_share if pool.generation_share is None else pool.generation_share

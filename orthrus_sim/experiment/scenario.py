@@ -32,7 +32,7 @@ from orthrus_sim import read_structured, resolve_path
 from orthrus_sim.engine.config import SchedulerConfig
 from orthrus_sim.engine.registry import resolve_policy
 from orthrus_sim.experiment.distributions import LengthDist, Uniform, fixed
-from orthrus_sim.experiment.trace import FORMAT_NAMES, trace_format, window
+from orthrus_sim.experiment.trace import FORMAT_NAMES, Window, trace_format, window
 
 
 def shipped_calibrations() -> dict[str, Path]:
@@ -264,6 +264,10 @@ class Pool(Strict):
                            "trace's own seconds")
     length_s: float | None = Field(default=None, gt=0, description="trace: the window's length "
                                    "in the trace's seconds (default: to its end)")
+    tokens_scale: float = Field(default=1.0, gt=0, description="trace: every row's input and "
+                                "output tokens times this (rounded, at least 1): a trace "
+                                "shrunk to a small model's scale, its bursts and its mix of "
+                                "lengths kept")
     generation_share: float | None = Field(default=None, ge=0, le=1)
     stream: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9_.-]+$",
@@ -297,12 +301,22 @@ class Pool(Strict):
                                  "pool kind embedding or generation (one kind's stream)")
             if self.kind == "workflow":
                 raise ValueError("a trace pool replays requests, not workflows")
-            window(self.trace, self.format, self.start_s, self.length_s, self.rate)
+            self.replay()
+        elif self.tokens_scale != 1.0:
+            raise ValueError("tokens_scale scales a trace's lengths: it needs process 'trace' "
+                             "(other processes draw theirs from the workload's distributions)")
         if self.process == "burst" and self.count is None:
             raise ValueError("process 'burst' needs 'count' (arrivals at the start)")
         if self.generation_share is not None and self.kind != "mixed":
             raise ValueError(f"generation_share applies to kind 'mixed' only, not {self.kind!r}")
         return self
+
+
+    def replay(self, scale: float = 1.0) -> Window:
+        """The trace window this pool replays (process ``trace``), its time also divided by
+        ``scale`` (``workload.rate_scale``)."""
+        return window(self.trace, self.format, self.start_s, self.length_s, self.rate, scale,
+                      self.tokens_scale)
 
 
 class BurstGroup(Strict):
@@ -492,6 +506,12 @@ class Scenario(Strict):
     configurations: list[str] = ["orthrus"]
     slo: SloSection | None = Field(default=None, description="SLOs for attainment and goodput")
     max_sim_time_s: float = Field(default=36_000.0, gt=0)
+    stop_below_attainment: float | None = Field(
+        default=None, gt=0, le=1, description="stop the run as soon as a kind's SLO attainment "
+        "can no longer reach this: its misses exceed (1 - this) of the most requests of that "
+        "kind the workload sends (known for trace and burst pools; no stop for a kind an "
+        "open-ended source sends). For a search that asks only pass or fail (capacity); the "
+        "metrics of a stopped run say stopped_early and cover the run until then")
     timeline_interval_s: float = Field(default=1.0, gt=0)
 
     @property
@@ -571,6 +591,9 @@ class Scenario(Strict):
         if self.cluster.router == "adaptive" and unified and self.scheduler.tpot_target_s is None:
             raise ValueError(f"cluster.router: adaptive places {', '.join(unified)} by the "
                              "iteration-time target: set scheduler.tpot_target_s")
+        if self.stop_below_attainment is not None and self.slo is None:
+            raise ValueError("stop_below_attainment stops a run by its SLO attainment: give the "
+                             "slo section (ttft_s, tpot_s, e2e_s, latency_s)")
         if self.cluster.objective == "goodput":
             if self.slo is None:
                 raise ValueError("cluster.objective: goodput counts the requests that meet the "

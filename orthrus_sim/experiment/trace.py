@@ -211,9 +211,10 @@ class Window:
 
 def window(path: str | Path, fmt: str = "auto", start_s: float = 0.0,
            length_s: float | None = None, rate: float | None = None,
-           scale: float = 1.0) -> Window:
+           scale: float = 1.0, tokens_scale: float = 1.0) -> Window:
     """The requests of ``[start_s, start_s + length_s)`` (to the end by default), time scaled
-    so that their mean rate is ``rate`` (the trace's own by default), times ``scale``."""
+    so that their mean rate is ``rate`` (the trace's own by default), times ``scale``; every
+    row's input and output tokens times ``tokens_scale`` (rounded, at least 1)."""
     rows = _cached(path, fmt)[1]
     end = math.inf if length_s is None else start_s + length_s
     kept = [r for r in rows if start_s <= r["arrival_time"] < end]
@@ -227,7 +228,11 @@ def window(path: str | Path, fmt: str = "auto", start_s: float = 0.0,
             raise ValueError(f"trace {path}: the window holds one instant; give length_s to "
                              "scale it to a rate")
         speedup *= rate * length / len(kept)
+    def tokens(n: int) -> int:
+        return max(1, round(n * tokens_scale))
+
     out = tuple({**r, "arrival_time": (r["arrival_time"] - start_s) / speedup,
-                 "output_tokens": max(1, r["output_tokens"]) if r["kind"] != "embedding" else 0}
+                 "input_tokens": tokens(r["input_tokens"]),
+                 "output_tokens": tokens(r["output_tokens"]) if r["kind"] != "embedding" else 0}
                 for r in kept)
     return Window(out, start_s, length, speedup)

@@ -29,7 +29,7 @@ import numpy as np
 from orthrus_sim.engine.request import RequestKind
 from orthrus_sim.experiment.arrivals import Modulation, arrival_times
 from orthrus_sim.experiment.scenario import Pool, Scenario, pool_stream
-from orthrus_sim.experiment.trace import load_trace, window
+from orthrus_sim.experiment.trace import load_trace
 
 EMB, GEN = RequestKind.EMBEDDING, RequestKind.GENERATION
 FIRST_TOKEN_ID = 4  # ids below are left to special tokens
@@ -378,6 +378,37 @@ class Workload:
         return self._corpus
 
     # ----- sources --------------------------------------------------------------------------
+    def most_requests(self) -> dict[str, int | None]:
+        """Per kind, the most requests the sources will send (None: a source of that kind is
+        open-ended: closed loop, open-loop process, workflows). Trace pools send their window's
+        rows, burst pools their count."""
+        w = self.workload
+        out: dict[str, int | None] = {"embedding": 0, "generation": 0}
+        if w.kind == "trace":
+            rows = load_trace(w.trace)
+            for r in rows:
+                out[r["kind"]] += 1
+            return out
+        if w.kind != "synthetic" or w.phases:
+            return dict.fromkeys(out)
+        for pool in w.default_pools():
+            if pool.process == "trace":
+                rows = pool.replay().rows
+                for kind in out:
+                    if out[kind] is not None:
+                        out[kind] += sum((pool.kind if pool.kind != "mixed" else r["kind"])
+                                         == kind for r in rows)
+                continue
+            kinds = ("embedding", "generation") if pool.kind == "mixed" else (pool.kind,)
+            for kind in kinds:
+                if pool.process != "burst" or pool.kind == "workflow":
+                    out[kind] = None
+                elif out[kind] is not None:
+                    out[kind] += pool.count
+            if pool.kind == "workflow":
+                return dict.fromkeys(out)
+        return out
+
     def clients(self) -> list[tuple[str, Client]]:
         """The sources to start at time 0."""
         w = self.workload
@@ -496,8 +527,7 @@ class Workload:
 
     def _trace_pool(self, pool: Pool, tag: str, start: float, until: float | None) -> Client:
         name = f"p{tag}t"
-        w = window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate,
-                   self.workload.rate_scale)
+        w = pool.replay(self.workload.rate_scale)
         rows = w.rows
         kind = None if pool.kind == "mixed" else pool.kind
         self.notes.append(

@@ -135,7 +135,10 @@ def _scaled_moving(data: dict, load: Load, factors: dict[str, float], configurat
 def meets(metrics: dict, load: Load, required: float, stretch: float | None = None) -> bool:
     """Every kind the load sends reaches ``required`` attainment over the window, and
     ``stretch`` over its worst 5 minutes where given (a kind none of whose requests arrived
-    in the window has nothing to miss)."""
+    in the window has nothing to miss). A run stopped early (``stop_below_attainment``) fails:
+    it stopped because a kind could no longer reach ``required``."""
+    if metrics.get("stopped_early"):
+        return False
     for kind, rate in load.rates.items():
         if rate <= 0:
             continue
@@ -158,12 +161,19 @@ Key = tuple[str, int, tuple[float, float]]  # configuration, GPUs, (embedding, g
 
 
 class Evaluator:
-    """Simulates (configuration, GPUs, rate factors) points through a sweep backend, each once."""
+    """Simulates (configuration, GPUs, rate factors) points through a sweep backend, each once.
+
+    ``stop_early``: each run stops as soon as a kind can no longer reach ``required`` (a trace
+    or burst load, whose requests are counted in advance: ``stop_below_attainment``), since the
+    search asks only whether it passes; its record then holds no attainment, only which kind
+    stopped it. ``False`` runs every point to its end (the failing runs' attainment kept)."""
 
     def __init__(self, scenario: Scenario, load: Load, required: float,
                  run_points: Callable[[list[Point]], Iterable], console: Console,
-                 stretch: float | None = None) -> None:
+                 stretch: float | None = None, stop_early: bool = True) -> None:
         self.data = scenario_dump(scenario)
+        if stop_early:
+            self.data["stop_below_attainment"] = required
         self.load = load
         self.required = required
         self.stretch = stretch
@@ -200,12 +210,15 @@ class Evaluator:
         cfg, gpus, (fe, fg) = key
         rates = {"embedding": fe * self.load.rates["embedding"],
                  "generation": fg * self.load.rates["generation"]}
+        stopped = m.get("stopped_early")
+        slo = {k: ({} if stopped else m["slo"][k]) for k in KINDS}  # a stopped run's: partial
         return {"configuration": cfg, "gpus": gpus, "offered_rps": sum(rates.values()),
                 "offered_rps_by_kind": rates,
-                "attainment": {k: m["slo"][k]["attainment"] for k in KINDS},
-                "worst_stretch": {k: (m["slo"][k].get("worst_stretch") or {}).get("attainment")
+                "attainment": {k: slo[k].get("attainment") for k in KINDS},
+                "worst_stretch": {k: (slo[k].get("worst_stretch") or {}).get("attainment")
                                   for k in KINDS},
-                "within": {k: m["slo"][k]["within"] for k in KINDS},  # which bound held
+                "within": {k: slo[k].get("within") for k in KINDS},  # which bound held
+                "stopped_early": stopped,
                 "goodput_rps": m["slo"]["combined"]["goodput_rps"],
                 "throughput_rps": m["throughput_rps"],
                 "passed": meets(m, self.load, self.required, self.stretch),
@@ -417,13 +430,13 @@ def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, toleranc
                  demand: dict[str, float] | None = None, max_gpus: int = 8,
                  max_parallel: int | None = None, ray: str | None = None,
                  console: Console | None = None, stretch: float | None = None,
-                 scale: float | None = None) -> dict:
+                 scale: float | None = None, full_runs: bool = False) -> dict:
     """Both searches for every configuration of ``scenario``; writes ``capacity.json`` and
     ``capacity.png`` under ``out`` and prints the tables. ``demand``: requests/s per kind for
     the GPU search (default: the scenario's own rates), or ``scale``: the scenario's load times
     it; ``max_gpus`` 0 skips it. ``stretch``: the attainment every kind must also reach over
     its worst 5 minutes (default: ``STRETCH_ATTAINMENT`` for a trace or bursty load, none for
-    a stationary one)."""
+    a stationary one). ``full_runs``: no run stops early (``Evaluator``)."""
     console = console or Console()
     if not 0 < required <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {required}")
@@ -451,7 +464,8 @@ def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, toleranc
     gpus = scenario.cluster.gpus
     wall = time.perf_counter()
     with point_runner(workers, ray) as run_points:
-        ev = Evaluator(scenario, load, required, run_points, console, stretch)
+        ev = Evaluator(scenario, load, required, run_points, console, stretch,
+                       stop_early=not full_runs)
         rates = search_rates(ev, list(scenario.configurations), gpus, tolerance, workers)
         gpu_result = None
         if max_gpus:
@@ -465,7 +479,7 @@ def run_capacity(scenario: Scenario, out: Path, required: float = 0.99, toleranc
     doc = {**results_doc(data, []), "schema": SCHEMA, "required_attainment": required,
            "required_stretch_attainment": stretch, "moving_load": load.moving,
            "tolerance": tolerance, "rate_grid_steps": grid_steps(tolerance),
-           "offered_rps_by_kind": load.rates,
+           "offered_rps_by_kind": load.rates, "full_runs": full_runs,
            "rate_search": rates, "gpu_search": gpu_result, "simulations": len(ev.done),
            "workers": workers, "wall_s": time.perf_counter() - wall}
     doc.pop("runs")

@@ -40,10 +40,9 @@ class SplitPlanner(PlacementPlanner):
 def _trace_lengths(pool: Any, limit: int) -> tuple[float, float]:
     """Mean input (an embedding's cut to ``limit``) and output tokens of a trace pool's
     window."""
-    from orthrus_sim.experiment.trace import window
     from orthrus_sim.experiment.workload import embeddings_cut
 
-    rows = window(pool.trace, pool.format, pool.start_s, pool.length_s, pool.rate).rows
+    rows = pool.replay().rows
     rows = embeddings_cut(rows, pool.kind if pool.kind != "mixed" else None, limit)
     return (sum(r["input_tokens"] for r in rows) / len(rows),
             sum(r["output_tokens"] for r in rows) / len(rows))

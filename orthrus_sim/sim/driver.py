@@ -7,6 +7,7 @@ requests handed to the cluster.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import simpy
@@ -42,6 +43,16 @@ class SimDriver:
         self.outstanding = 0
         self._running = 0  # client processes still alive
         self.all_done = env.event()  # every source ended and every request left
+        # scenario.stop_below_attainment: per kind, the misses past which the run fails
+        self.stopped = env.event()
+        self._miss_limit: dict[str, int] = {}
+        self._most: dict[str, int] = {}
+        floor = scenario.stop_below_attainment
+        if floor is not None and log.slo is not None:
+            for kind, most in self.workload.most_requests().items():
+                if most:
+                    self._most[kind] = most
+                    self._miss_limit[kind] = math.floor((1.0 - floor) * most + 1e-9)
 
     @property
     def workflows(self):
@@ -55,9 +66,26 @@ class SimDriver:
         """The cluster's callback: ``request`` finished or was rejected."""
         self.outstanding -= 1
         self.log.ended(request)
+        if self._miss_limit:
+            self._check_misses(request.kind._value_)
         if request.payload is not None:  # a client waits for it
             request.payload.succeed(outcome_of(request))
         self._check_done()
+
+    @property
+    def may_stop(self) -> bool:
+        """Whether ``stopped`` can trigger (scenario.stop_below_attainment, a kind of known
+        count)."""
+        return bool(self._miss_limit)
+
+    def _check_misses(self, kind: str) -> None:
+        """Stop the run once ``kind`` missed more than its attainment floor allows of the most
+        requests it can send: its attainment is then below the floor whatever follows."""
+        limit = self._miss_limit.get(kind)
+        missed = self.log.slo.missed[kind]
+        if limit is not None and missed > limit and not self.stopped.triggered:
+            self.stopped.succeed({"kind": kind, "missed": missed, "most_requests": self._most[kind],
+                                  "time_s": self.env.now})
 
     def _check_done(self) -> None:
         if self._running == 0 and self.outstanding == 0 and not self.all_done.triggered:

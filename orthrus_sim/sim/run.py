@@ -87,15 +87,20 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
         window.open([rep.progress() for rep in cluster.replicas])
 
     env.process(open_window())
+    stop = driver.stopped  # never triggered unless the scenario asks and the workload allows
     if scenario.duration_s is not None:
-        env.run(until=scenario.duration_s)
-        end = scenario.duration_s
-        for replica in cluster.replicas:
-            replica.flush()
+        if driver.may_stop:
+            env.run(until=env.any_of([env.timeout(scenario.duration_s), stop]))
+        else:
+            env.run(until=scenario.duration_s)
+        end = env.now if stop.triggered else scenario.duration_s
     else:
         cap = env.timeout(scenario.max_sim_time_s)
-        env.run(until=env.any_of([driver.all_done, cap]))
+        env.run(until=env.any_of([driver.all_done, cap, stop]))
         end = env.now
+    if scenario.duration_s is not None or stop.triggered:
+        for replica in cluster.replicas:
+            replica.flush()
     if progress is not None:
         progress(1.0)
     start = window.start(end)
@@ -106,6 +111,8 @@ def simulate(scenario: Scenario, configuration: str, cost_factory=None, fast_for
     metrics.update(replica_metrics(cluster.replicas, counters, end - start, cluster.hardware))
     metrics.update({"kv_transfers": cluster.kv_transfers, "kv_transfer_s": cluster.kv_transfer_s,
                     "sim_end_s": end, "sim_wall_s": time.perf_counter() - wall})
+    if stop.triggered:
+        metrics["stopped_early"] = stop.value
     placement = placement_log(cluster.router)
     if placement is not None:
         metrics["placement"] = placement
