@@ -151,9 +151,8 @@ def capacity(
     ray: str = typer.Option(None, "--ray", help="run the simulations as Ray tasks: auto (join a "
                                                 "running cluster) or local (start one here)"),
     full_runs: bool = typer.Option(False, "--full-runs", help="run every simulation to its end "
-                                   "(default: a trace or burst load's run stops once a kind can "
-                                   "no longer reach --attainment; its attainment is then not "
-                                   "recorded)"),
+                                   "(default: a run stops once a kind can no longer reach "
+                                   "--attainment; its attainment is then not recorded)"),
 ) -> None:
     """Per configuration: the highest offered open-loop rate (the scenario's mix) that meets
     the scenario's SLOs at the required attainment, and the fewest GPUs that serve a given rate

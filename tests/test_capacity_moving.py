@@ -120,17 +120,26 @@ def test_a_run_stops_once_a_kind_can_no_longer_reach_its_attainment(tmp_path):
 
 def test_the_most_requests_a_workload_sends():
     from orthrus_sim.experiment.workload import Workload
+    from orthrus_sim.sim.run import simulate
 
     def most(pools):
-        sc = parse_scenario({"name": "m", "duration_s": 10, "workload": {"pools": pools}})
+        sc = parse_scenario({"name": "m", "duration_s": 10, "seed": 3,
+                             "workload": {"pools": pools}})
         return Workload(sc, lambda: 0.0).most_requests()
 
     burst = {"kind": "embedding", "process": "burst", "count": 7}
     assert most([burst, dict(burst, count=3)]) == {"embedding": 10, "generation": 0}
-    poisson = {"kind": "generation", "process": "poisson", "rate": 2.0}
-    assert most([burst, poisson]) == {"embedding": 7, "generation": None}
     assert most([{"kind": "mixed", "process": "burst", "count": 4}]) == {"embedding": 4,
                                                                           "generation": 4}
+    closed = {"kind": "generation", "process": "closed-loop", "clients": 2}
+    assert most([closed, burst]) == {"embedding": 7, "generation": None}
+    # an open loop: exactly what the run sends (its source run dry, the same draws)
+    pools = [{"kind": "generation", "process": "poisson", "rate": 3.0},
+             {"kind": "mixed", "process": "mmpp", "rate": 9.0, "on_s": 2.0, "off_s": 3.0},
+             {"kind": "embedding", "process": "diurnal", "rate": 4.0, "period_s": 6.0}]
+    sc = parse_scenario({"name": "m", "duration_s": 10, "seed": 3, "workload": {"pools": pools}})
+    sent = simulate(sc, "orthrus").metrics["issued"]
+    assert most(pools) == sent and sent["generation"] > 30 and sent["embedding"] > 40
     with pytest.raises(ValueError, match="stop_below_attainment stops a run by its SLO "
                                          "attainment: give the slo section"):
         parse_scenario({"name": "m", "stop_below_attainment": 0.9,
@@ -144,9 +153,9 @@ def test_stopping_failing_runs_early_changes_no_answer(tmp_path):
     docs = [run_capacity(sc, tmp_path / f"out-{full}", tolerance=0.25, max_gpus=3, scale=2.0,
                          max_parallel=1, full_runs=full) for full in (False, True)]
     early, full = docs
-    for key in ("rate_search",):
-        assert [(r["configuration"], r["max_scale"], r["next_rate_rps"]) for r in early[key]] \
-            == [(r["configuration"], r["max_scale"], r["next_rate_rps"]) for r in full[key]]
+    assert [(r["configuration"], r["max_scale"], r["next_rate_rps"])
+            for r in early["rate_search"]] == [(r["configuration"], r["max_scale"],
+                                                 r["next_rate_rps"]) for r in full["rate_search"]]
     assert [(f["family"], f["gpus_needed"]) for f in early["gpu_search"]["families"]] \
         == [(f["family"], f["gpus_needed"]) for f in full["gpu_search"]["families"]]
     runs = [x for r in early["rate_search"] for x in r["runs"]]
@@ -155,3 +164,46 @@ def test_stopping_failing_runs_early_changes_no_answer(tmp_path):
                                                                    "generation": None}
                            for x in stopped)
     assert not any(x["stopped_early"] for r in full["rate_search"] for x in r["runs"])
+
+
+def test_an_open_loop_run_by_duration_stops_early_or_is_the_run_without_the_stop():
+    from orthrus_sim.sim.run import simulate
+
+    raw = {"name": "o", "seed": 2, "duration_s": 30, "warmup_s": 5, "cluster": {"gpus": 2},
+           "calibration": "a100-40gb", "slo": {"ttft_s": 60.0, "tpot_s": 1.0, "latency_s": 60.0},
+           "workload": {"pools": [
+               {"kind": "generation", "process": "mmpp", "rate": 12.0, "on_s": 3.0, "off_s": 4.0},
+               {"kind": "embedding", "process": "poisson", "rate": 20.0}]},
+           "configurations": ["dedicated-1:1"]}
+    plain = simulate(parse_scenario(raw), "dedicated-1:1")
+    kept = simulate(parse_scenario(raw | {"stop_below_attainment": 0.99}), "dedicated-1:1")
+    assert kept.timeline == plain.timeline and kept.requests == plain.requests
+    for m in (plain.metrics, kept.metrics):
+        m.pop("sim_wall_s")
+    assert kept.metrics == plain.metrics and "stopped_early" not in kept.metrics
+    raw["slo"]["latency_s"] = 0.001  # no embedding meets it: stopped long before 30 s
+    stopped = simulate(parse_scenario(raw | {"stop_below_attainment": 0.99}), "dedicated-1:1")
+    stop = stopped.metrics["stopped_early"]
+    assert stop["kind"] == "embedding" and stop["most_requests"] == plain.metrics["issued"][
+        "embedding"] and stop["time_s"] < 10
+
+
+def test_the_most_requests_bound_what_pools_sharing_num_requests_send():
+    from orthrus_sim.experiment.workload import Workload
+    from orthrus_sim.sim.run import simulate
+
+    sc = parse_scenario({"name": "n", "seed": 4, "num_requests": 50, "workload": {"pools": [
+        {"kind": "generation", "process": "poisson", "rate": 5.0},
+        {"kind": "embedding", "process": "poisson", "rate": 5.0}]}})
+    most = Workload(sc, lambda: 0.0).most_requests()
+    sent = simulate(sc, "orthrus").metrics["issued"]
+    assert most == {"embedding": 50, "generation": 50}  # each pool alone could send them all
+    assert all(most[k] >= sent[k] for k in sent) and sum(sent.values()) == 50
+
+
+def test_a_measured_run_refuses_a_simulated_stop(tmp_path):
+    from orthrus_real.cluster.machine_plan import real_scenario
+
+    sc = parse_scenario(tiny_trace(tmp_path) | {"stop_below_attainment": 0.99}, base_dir=tmp_path)
+    with pytest.raises(ValueError, match="a measured run is not stopped"):
+        real_scenario(sc, str(tmp_path), None, None, 4096, gpus=2)

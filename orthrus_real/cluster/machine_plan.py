@@ -28,6 +28,15 @@ class ClusterArgs:
     start_timeout: float = 300.0
 
 
+def refuse_simulated_stop(scenario: Scenario) -> None:
+    """A measured run is never stopped early: a scenario that stops its simulated run
+    (``stop_below_attainment``) would compare a partial simulation with a whole measurement."""
+    if scenario.stop_below_attainment is not None:
+        raise ValueError("stop_below_attainment stops a simulated run once it fails; a measured "
+                         "run is not stopped, so the two would not compare: drop it (--set "
+                         "stop_below_attainment=null)")
+
+
 def real_scenario(scenario: Scenario, model_dir: str, adapter_rank: int | None,
                   calibration: str | None, kv_cache_tokens: int, gpus: int = 1,
                   configurations: list[str] | None = None, router: str | None = None) -> Scenario:
@@ -36,6 +45,7 @@ def real_scenario(scenario: Scenario, model_dir: str, adapter_rank: int | None,
     this model and adapter rank, each engine's KV capacity."""
     from orthrus_sim.costmodel import load_calibration
 
+    refuse_simulated_stop(scenario)
     raw = scenario_dump(scenario)
     if configurations:
         raw["configurations"] = configurations

@@ -361,8 +361,10 @@ async def measure(transport, scenario: Scenario, label: str, token_range: int,
                   on_progress: Callable[[float], None] | None = None) -> tuple[dict, list[dict]]:
     """Drive ``transport`` with the scenario's workload; ``scrape()`` returns the engine's
     Prometheus text. Returns the results document and the per-request rows."""
+    from orthrus_real.cluster.machine_plan import refuse_simulated_stop
     from orthrus_sim.costmodel import get_hardware
 
+    refuse_simulated_stop(scenario)
     driver = LiveDriver(transport, scenario, token_range)
     await driver.prepare()
     window = MeasurementWindow(scenario.warmup_s, parse_prometheus(await scrape()))

@@ -311,7 +311,6 @@ class Pool(Strict):
             raise ValueError(f"generation_share applies to kind 'mixed' only, not {self.kind!r}")
         return self
 
-
     def replay(self, scale: float = 1.0) -> Window:
         """The trace window this pool replays (process ``trace``), its time also divided by
         ``scale`` (``workload.rate_scale``)."""
@@ -508,10 +507,11 @@ class Scenario(Strict):
     max_sim_time_s: float = Field(default=36_000.0, gt=0)
     stop_below_attainment: float | None = Field(
         default=None, gt=0, le=1, description="stop the run as soon as a kind's SLO attainment "
-        "can no longer reach this: its misses exceed (1 - this) of the most requests of that "
-        "kind the workload sends (known for trace and burst pools; no stop for a kind an "
-        "open-ended source sends). For a search that asks only pass or fail (capacity); the "
-        "metrics of a stopped run say stopped_early and cover the run until then")
+        "can no longer reach this: its misses exceed (1 - this) of the requests of that kind "
+        "the workload sends (counted before the run: trace rows, burst counts, a dry run of an "
+        "open loop; no stop for a kind a closed loop sends). The simulator's only (a measured "
+        "run is not stopped): for a search that asks only pass or fail (capacity); the metrics "
+        "of a stopped run say stopped_early and cover the run until then")
     timeline_interval_s: float = Field(default=1.0, gt=0)
 
     @property

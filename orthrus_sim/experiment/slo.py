@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 KINDS = ("embedding", "generation")
 EPS = 1e-9
+ATTAINMENT_EPS = 1e-12  # an attainment this close below a required floor still meets it
 STRETCH_S = 300.0  # the worst stretch's length
 STEP_S = 60.0  # and the step it slides by
 

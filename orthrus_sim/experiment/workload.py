@@ -380,8 +380,9 @@ class Workload:
     # ----- sources --------------------------------------------------------------------------
     def most_requests(self) -> dict[str, int | None]:
         """Per kind, the most requests the sources will send (None: a source of that kind is
-        open-ended: closed loop, open-loop process, workflows). Trace pools send their window's
-        rows, burst pools their count."""
+        open-ended: a closed loop, workflows, an open loop with no duration_s or num_requests).
+        Trace pools send their window's rows, burst pools their count, open loops what a dry
+        run of their source sends (``_dry_count``)."""
         w = self.workload
         out: dict[str, int | None] = {"embedding": 0, "generation": 0}
         if w.kind == "trace":
@@ -391,7 +392,8 @@ class Workload:
             return out
         if w.kind != "synthetic" or w.phases:
             return dict.fromkeys(out)
-        for pool in w.default_pools():
+        s = self.scenario
+        for i, pool in enumerate(w.default_pools()):
             if pool.process == "trace":
                 rows = pool.replay().rows
                 for kind in out:
@@ -399,15 +401,35 @@ class Workload:
                         out[kind] += sum((pool.kind if pool.kind != "mixed" else r["kind"])
                                          == kind for r in rows)
                 continue
-            kinds = ("embedding", "generation") if pool.kind == "mixed" else (pool.kind,)
-            for kind in kinds:
-                if pool.process != "burst" or pool.kind == "workflow":
-                    out[kind] = None
-                elif out[kind] is not None:
-                    out[kind] += pool.count
-            if pool.kind == "workflow":
+            if pool.kind == "workflow":  # a workflow sends both kinds, as many as it takes
                 return dict.fromkeys(out)
+            if pool.process == "burst":
+                sent = {k: pool.count if pool.kind in (k, "mixed") else 0 for k in out}
+            elif pool.process == "closed-loop" or (s.duration_s is None
+                                                   and s.num_requests is None):
+                sent = {k: None if pool.kind in (k, "mixed") else 0 for k in out}
+            else:
+                sent = self._dry_count(pool, i)
+            out = {k: None if n is None or sent[k] is None else n + sent[k]
+                   for k, n in out.items()}
         return out
+
+    def _dry_count(self, pool: Pool, position: int) -> dict[str, int]:
+        """What an open-loop pool sends, per kind: its source run without a simulator, on a
+        workload of its own (its sends do not wait, so it makes the same draws in the same
+        order as in the run, and ends where the run's would: duration_s, num_requests)."""
+        now = [0.0]
+        dry = Workload(self.scenario, lambda: now[0])
+        counts = {"embedding": 0, "generation": 0}
+        for _, source in dry._pool_sources(pool, pool_stream(pool.stream, position), 0.0, None):
+            for action in source:
+                if type(action) is WaitUntil:  # the clock as the run's advances it
+                    delay = action.time - now[0]
+                    if delay > 0:
+                        now[0] = now[0] + delay
+                elif type(action) is Send:
+                    counts[action.spec.kind.value] += 1
+        return counts
 
     def clients(self) -> list[tuple[str, Client]]:
         """The sources to start at time 0."""

@@ -32,6 +32,7 @@ from rich.console import Console
 from orthrus_sim.experiment.arrivals import kind_rates
 from orthrus_sim.experiment.results import KINDS, results_doc, write_json
 from orthrus_sim.experiment.scenario import REPLAN, Scenario, is_replan, scenario_dump
+from orthrus_sim.experiment.slo import ATTAINMENT_EPS
 from orthrus_sim.questions.sweep import Point, point_runner
 
 SCHEMA = "orthrus.capacity/1"
@@ -148,10 +149,10 @@ def meets(metrics: dict, load: Load, required: float, stretch: float | None = No
             if metrics["arrived_in_window"].get(kind, 0):
                 return False  # arrived, none judged: nothing finished by its deadline
             continue
-        if attained < required - 1e-12:
+        if attained < required - ATTAINMENT_EPS:
             return False
         worst = slo.get("worst_stretch")
-        if stretch is not None and worst and worst["attainment"] < stretch - 1e-12:
+        if stretch is not None and worst and worst["attainment"] < stretch - ATTAINMENT_EPS:
             return False
     return True
 
@@ -163,17 +164,16 @@ Key = tuple[str, int, tuple[float, float]]  # configuration, GPUs, (embedding, g
 class Evaluator:
     """Simulates (configuration, GPUs, rate factors) points through a sweep backend, each once.
 
-    ``stop_early``: each run stops as soon as a kind can no longer reach ``required`` (a trace
-    or burst load, whose requests are counted in advance: ``stop_below_attainment``), since the
+    ``stop_early``: each run stops as soon as a kind can no longer reach ``required``
+    (``stop_below_attainment``; the requests it sends are counted in advance), since the
     search asks only whether it passes; its record then holds no attainment, only which kind
     stopped it. ``False`` runs every point to its end (the failing runs' attainment kept)."""
 
     def __init__(self, scenario: Scenario, load: Load, required: float,
                  run_points: Callable[[list[Point]], Iterable], console: Console,
                  stretch: float | None = None, stop_early: bool = True) -> None:
-        self.data = scenario_dump(scenario)
-        if stop_early:
-            self.data["stop_below_attainment"] = required
+        self.data = scenario_dump(scenario)  # the search decides where runs stop
+        self.data["stop_below_attainment"] = required if stop_early else None
         self.load = load
         self.required = required
         self.stretch = stretch
@@ -219,8 +219,8 @@ class Evaluator:
                                   for k in KINDS},
                 "within": {k: slo[k].get("within") for k in KINDS},  # which bound held
                 "stopped_early": stopped,
-                "goodput_rps": m["slo"]["combined"]["goodput_rps"],
-                "throughput_rps": m["throughput_rps"],
+                "goodput_rps": None if stopped else m["slo"]["combined"]["goodput_rps"],
+                "throughput_rps": None if stopped else m["throughput_rps"],
                 "passed": meets(m, self.load, self.required, self.stretch),
                 "sim_wall_s": m.get("sim_wall_s")}
 

@@ -7,7 +7,6 @@ requests handed to the cluster.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import simpy
@@ -17,6 +16,7 @@ from simpy.events import Timeout
 from orthrus_sim.engine.request import FINISHED, REJECTED, Request
 from orthrus_sim.experiment.results import RequestLog
 from orthrus_sim.experiment.scenario import Scenario
+from orthrus_sim.experiment.slo import ATTAINMENT_EPS
 from orthrus_sim.experiment.workload import Client, Outcome, Retrieve, Send, Workload, interpret
 
 
@@ -45,14 +45,14 @@ class SimDriver:
         self.all_done = env.event()  # every source ended and every request left
         # scenario.stop_below_attainment: per kind, the misses past which the run fails
         self.stopped = env.event()
-        self._miss_limit: dict[str, int] = {}
+        self._miss_limit: dict[str, float] = {}
         self._most: dict[str, int] = {}
         floor = scenario.stop_below_attainment
         if floor is not None and log.slo is not None:
             for kind, most in self.workload.most_requests().items():
-                if most:
+                if most:  # more misses: at best (most - missed) / most < floor - EPS
                     self._most[kind] = most
-                    self._miss_limit[kind] = math.floor((1.0 - floor) * most + 1e-9)
+                    self._miss_limit[kind] = (1.0 - floor + ATTAINMENT_EPS) * most
 
     @property
     def workflows(self):
@@ -71,12 +71,6 @@ class SimDriver:
         if request.payload is not None:  # a client waits for it
             request.payload.succeed(outcome_of(request))
         self._check_done()
-
-    @property
-    def may_stop(self) -> bool:
-        """Whether ``stopped`` can trigger (scenario.stop_below_attainment, a kind of known
-        count)."""
-        return bool(self._miss_limit)
 
     def _check_misses(self, kind: str) -> None:
         """Stop the run once ``kind`` missed more than its attainment floor allows of the most
