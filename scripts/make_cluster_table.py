@@ -204,6 +204,31 @@ def _ratio(a, b) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
 
+def alternating_rounds(args, raw: dict, label: str, figures) -> tuple[dict, list[str]]:
+    """``raw`` validated ``rounds`` times, the configurations alternating: per configuration
+    ``figures(metrics)`` of each measured round and of the simulated run, written to
+    OUT/<label>.json; and the simulated run's workload notes."""
+    got: dict = {c: {"measured": [], "simulated": None} for c in CONFIGS}
+    notes: list[str] = []
+    for r in range(args.rounds):
+        path = args.out / f"{label}-{r}.yaml"
+        order = round_scenario(raw, r, path)
+        print(f"{label}, round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
+        out = args.out / f"{label}-round-{r}"
+        validate(path, [], str(args.model), None, str(args.calibration), out, threads=1,
+                 engine_cpus="0,1")
+        for side in ("measured", "simulated"):
+            for run in json.loads((out / side / "results.json").read_text())["runs"]:
+                entry = figures(run["metrics"])
+                if side == "measured":
+                    got[run["configuration"]]["measured"].append(entry)
+                else:
+                    got[run["configuration"]]["simulated"] = entry
+                    notes = run["metrics"].get("workload_notes") or notes
+    (args.out / f"{label}.json").write_text(json.dumps(got, indent=1) + "\n")
+    return got, notes
+
+
 def phased(args) -> list[str]:
     """The compressed phased mix, `rounds` times, configurations alternating."""
     raw = read_scenario(ROOT / "scenarios" / "fidelity_cpu.yaml")
@@ -212,22 +237,7 @@ def phased(args) -> list[str]:
     raw["workload"]["phases"] = [{"requests": args.phase_requests, "generation_share": g}
                                  for g in (0.9, 0.5, 0.1)]
     raw["workload"].pop("generation_share", None)
-    got: dict = {c: {"measured": [], "simulated": None} for c in CONFIGS}
-    for r in range(args.rounds):
-        path = args.out / f"phased-{r}.yaml"
-        order = round_scenario(raw, r, path)
-        print(f"phased, round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
-        out = args.out / f"phased-round-{r}"
-        validate(path, [], str(args.model), None, str(args.calibration), out, threads=1,
-                 engine_cpus="0,1")
-        for side in ("measured", "simulated"):
-            for run in json.loads((out / side / "results.json").read_text())["runs"]:
-                entry = _phased_figures(run["metrics"])
-                if side == "measured":
-                    got[run["configuration"]]["measured"].append(entry)
-                else:
-                    got[run["configuration"]]["simulated"] = entry
-    (args.out / "phased.json").write_text(json.dumps(got, indent=1) + "\n")
+    got, _ = alternating_rounds(args, raw, "phased", _phased_figures)
     lines = ["| configuration | makespan s, measured (range) | simulated | error | TPOT p99 s, "
              "measured | simulated | completions (emb, gen) |", "|---|---|---|---|---|---|---|"]
     for cfg in CONFIGS:
@@ -267,24 +277,7 @@ def trace(args) -> list[str]:
         raw["workload"]["rate_scale"] = args.trace_scale
     for pool in raw["workload"]["pools"]:  # the rounds' scenarios are written under --out
         pool["trace"] = str(ROOT / "scenarios" / pool["trace"])
-    got: dict = {c: {"measured": [], "simulated": None} for c in CONFIGS}
-    notes: list[str] = []
-    for r in range(args.rounds):
-        path = args.out / f"trace-{r}.yaml"
-        order = round_scenario(raw, r, path)
-        print(f"trace, round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
-        out = args.out / f"trace-round-{r}"
-        validate(path, [], str(args.model), None, str(args.calibration), out, threads=1,
-                 engine_cpus="0,1")
-        for side in ("measured", "simulated"):
-            for run in json.loads((out / side / "results.json").read_text())["runs"]:
-                entry = _trace_figures(run["metrics"])
-                if side == "measured":
-                    got[run["configuration"]]["measured"].append(entry)
-                else:
-                    got[run["configuration"]]["simulated"] = entry
-                    notes = run["metrics"].get("workload_notes") or notes
-    (args.out / "trace.json").write_text(json.dumps(got, indent=1) + "\n")
+    got, notes = alternating_rounds(args, raw, "trace", _trace_figures)
     lines = [f"* {n}" for n in notes] + [
         "", "| configuration | goodput rps, measured per round | simulated | error | "
         "attainment emb, gen: measured | simulated | TPOT p99 s, measured | simulated | "
