@@ -43,16 +43,12 @@ class SimDriver:
         self.outstanding = 0
         self._running = 0  # client processes still alive
         self.all_done = env.event()  # every source ended and every request left
-        # scenario.stop_below_attainment: per kind, the misses past which the run fails
+        # scenario.stop_below_attainment: per kind that can stop the run, the requests it sends
         self.stopped = env.event()
-        self._miss_limit: dict[str, float] = {}
+        self._floor = scenario.stop_below_attainment
         self._most: dict[str, int] = {}
-        floor = scenario.stop_below_attainment
-        if floor is not None and log.slo is not None:
-            for kind, most in self.workload.most_requests().items():
-                if most:  # more misses: at best (most - missed) / most < floor - EPS
-                    self._most[kind] = most
-                    self._miss_limit[kind] = (1.0 - floor + ATTAINMENT_EPS) * most
+        if self._floor is not None and log.slo is not None:
+            self._most = {k: n for k, n in self.workload.most_requests().items() if n}
 
     @property
     def workflows(self):
@@ -66,7 +62,7 @@ class SimDriver:
         """The cluster's callback: ``request`` finished or was rejected."""
         self.outstanding -= 1
         self.log.ended(request)
-        if self._miss_limit:
+        if self._most:
             self._check_misses(request.kind._value_)
         if request.payload is not None:  # a client waits for it
             request.payload.succeed(outcome_of(request))
@@ -75,10 +71,12 @@ class SimDriver:
     def _check_misses(self, kind: str) -> None:
         """Stop the run once ``kind`` missed more than its attainment floor allows of the most
         requests it can send: its attainment is then below the floor whatever follows."""
-        limit = self._miss_limit.get(kind)
+        most = self._most.get(kind)
         missed = self.log.slo.missed[kind]
-        if limit is not None and missed > limit and not self.stopped.triggered:
-            self.stopped.succeed({"kind": kind, "missed": missed, "most_requests": self._most[kind],
+        # more misses than this: at best (most - missed) / most < floor - ATTAINMENT_EPS
+        if most is not None and missed > (1.0 - self._floor + ATTAINMENT_EPS) * most \
+                and not self.stopped.triggered:
+            self.stopped.succeed({"kind": kind, "missed": missed, "most_requests": most,
                                   "time_s": self.env.now})
 
     def _check_done(self) -> None:
